@@ -1,0 +1,1 @@
+"""sptransform: graph passes that parallelize an unmodified single-device transformer."""
