@@ -1,0 +1,146 @@
+"""Capture: an unmodified ``nn.Module`` and example inputs become an ATen-level FX graph.
+
+The module is never run on real data here: a copy whose parameters and buffers are
+fake tensors (no storage) is traced by ``torch.export`` (non-strict, training IR,
+so ``linear``, ``layer_norm``, ``dropout``, ``scaled_dot_product_attention`` and
+``cross_entropy_loss`` stay whole). The graph's placeholders are, in order, the
+parameters, buffers and lifted constants (named by their FQNs) and then the
+flattened user inputs. Shapes are static: a new input shape is a new capture,
+which ``ParallelModule`` caches.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.utils import _pytree as pytree
+
+
+@dataclass
+class CapturedGraph:
+    gm: fx.GraphModule
+    state_names: list[str]
+    """FQN of each parameter/buffer/constant placeholder, in placeholder order."""
+    param_names: set[str]
+    num_user_inputs: int
+    in_spec: pytree.TreeSpec
+    out_spec: pytree.TreeSpec
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def state_placeholders(self) -> list[fx.Node]:
+        return [n for n in self.gm.graph.nodes if n.op == "placeholder"][: len(self.state_names)]
+
+    @property
+    def user_placeholders(self) -> list[fx.Node]:
+        return [n for n in self.gm.graph.nodes if n.op == "placeholder"][len(self.state_names) :]
+
+    def param_of(self, node: fx.Node) -> str | None:
+        """The FQN of the parameter this placeholder holds, else None."""
+        names = dict(zip(self.state_placeholders, self.state_names))
+        name = names.get(node)
+        return name if name in self.param_names else None
+
+
+class FakeTemplate:
+    """A copy of the user's module with fake parameters and buffers, made once."""
+
+    def __init__(self, model: nn.Module, device: torch.device):
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+        self.device = device
+        memo: dict[int, Any] = {}
+        with self.fake_mode:
+            for t in list(model.parameters()) + list(model.buffers()):
+                fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+                memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
+        self.module = copy.deepcopy(model, memo)
+        self.module.train(model.training)
+
+    def fake_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        def convert(x):
+            if isinstance(x, torch.Tensor):
+                # A fresh fake per input: export would merge one object passed twice.
+                fake = torch.empty(x.shape, dtype=x.dtype, device=self.device)
+                return fake.requires_grad_(x.requires_grad)
+            return x
+
+        with self.fake_mode:
+            return pytree.tree_map(convert, (tuple(args), dict(kwargs)))
+
+
+def capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph:
+    """Trace ``template.module(*args, **kwargs)`` to an ATen graph; errors say why not."""
+    fake_args, fake_kwargs = template.fake_inputs(args, kwargs)
+    try:
+        ep = torch.export.export(template.module, fake_args, fake_kwargs, strict=False)
+    except Exception as err:  # torch raises many types here; re-raise one the user can act on
+        raise ValueError(
+            "sptransform could not capture the model as one graph "
+            f"({type(err).__name__}: {str(err).splitlines()[0][:300]}). "
+            "The forward must be traceable without data-dependent control flow or graph "
+            "breaks; see the README's 'Limits'."
+        ) from err
+    signature = ep.graph_signature
+    for spec in signature.output_specs:
+        if spec.kind not in (OutputKind.USER_OUTPUT,):
+            raise ValueError(
+                f"the model's forward mutates {spec.target!r} ({spec.kind.name}); "
+                "sptransform supports forwards that do not write to buffers or inputs"
+            )
+    state_names, params = [], set()
+    for spec in signature.input_specs:
+        if spec.kind == InputKind.USER_INPUT:
+            continue
+        state_names.append(spec.target)
+        if spec.kind == InputKind.PARAMETER:
+            params.add(spec.target)
+    constants = {}
+    buffers = {name for name, _ in template.module.named_buffers(remove_duplicate=False)}
+    for name, value in ep.constants.items():
+        if name in buffers:
+            continue  # a non-persistent buffer: its value comes from the real module
+        if isinstance(value, FakeTensor):
+            raise ValueError(
+                f"the model creates the tensor constant {name!r} inside forward; sptransform "
+                "captures with fake tensors and cannot recover its value: register it as a buffer"
+            )
+        constants[name] = value
+    _drop_export_asserts(ep.graph_module)
+    num_user = sum(1 for s in signature.input_specs if s.kind == InputKind.USER_INPUT)
+    return CapturedGraph(
+        gm=ep.graph_module,
+        state_names=state_names,
+        param_names=params,
+        num_user_inputs=num_user,
+        in_spec=ep.call_spec.in_spec,
+        out_spec=ep.call_spec.out_spec,
+        constants=constants,
+    )
+
+
+def _drop_export_asserts(gm: fx.GraphModule) -> None:
+    """Export leaves ``_assert_tensor_metadata`` checks behind; they would pin global
+    metadata onto tensors that become local shards, and carry no computation."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def input_signature(args: tuple, kwargs: dict) -> tuple:
+    """A hashable key of what a capture depends on: structure, shapes, dtypes, plain values."""
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    key = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            key.append(("T", tuple(x.shape), x.dtype, x.requires_grad))
+        else:
+            key.append(("V", repr(x)))
+    return (str(spec), tuple(key))

@@ -1,0 +1,155 @@
+"""The conjugate collectives of Megatron tensor and sequence parallelism.
+
+Each is a ``torch.autograd.Function`` over torch's functional collectives, so the
+graphs that call them stay traceable (torch.compile, AOTAutograd) and run on any
+process group (gloo, NCCL, the fake group, LocalTensorMode's simulated ranks).
+
+====================  ===================  ===================
+name                  forward              backward
+====================  ===================  ===================
+``copy_to_tp`` (f)    identity             all-reduce
+``reduce_from_tp`` (f̄) all-reduce           identity
+``gather_seq`` (g)    all-gather on dim    reduce-scatter on dim
+``scatter_seq`` (ḡ)   reduce-scatter       all-gather on dim
+``gather_output``     all-gather on dim    keep local slice
+``sync_grads``        identity (bucket)    one all-reduce of all grads
+====================  ===================  ===================
+
+Gradients of replicated tensors that feed sharded work arrive *partial* (each rank
+holds its shard's contribution); ``sync_grads`` sums them for parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+
+def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
+    return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
+
+
+def _all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    # all_gather_tensor gathers along dim 0 internally and moves the result into place.
+    out = funcol.all_gather_tensor(x.contiguous(), dim, group)
+    return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    out = funcol.reduce_scatter_tensor(x.contiguous(), "sum", dim, group)
+    return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
+class _ScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherOutput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, rank, group):
+        ctx.dim, ctx.group, ctx.local = dim, group, x.shape[dim]
+        ctx.save_for_backward(rank)
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (rank,) = ctx.saved_tensors
+        index = torch.arange(ctx.local, device=grad.device) + rank * ctx.local
+        return grad.index_select(ctx.dim, index), None, None, None
+
+
+class _SyncGrads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, *params):
+        ctx.group = group
+        ctx.shapes = [p.shape for p in params]
+        return tuple(p.view_as(p) for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        flat = torch.cat(
+            [
+                (g if g is not None else torch.zeros(s)).reshape(-1)
+                for g, s in zip(grads, ctx.shapes)
+            ]
+        )
+        flat = _all_reduce(flat, ctx.group)
+        out, offset = [], 0
+        for s in ctx.shapes:
+            n = s.numel()
+            out.append(flat[offset : offset + n].view(s))
+            offset += n
+        return (None, *out)
+
+
+def copy_to_tp(x: torch.Tensor, group: str) -> torch.Tensor:
+    """f: enter a tensor-parallel region (identity forward, all-reduce backward)."""
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: str) -> torch.Tensor:
+    """f̄: leave a tensor-parallel region (all-reduce forward, identity backward)."""
+    return _ReduceFromTP.apply(x, group)
+
+
+def gather_seq(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    """g: enter a tensor-parallel region from a sequence-parallel one."""
+    return _GatherSeq.apply(x, dim, group)
+
+
+def scatter_seq(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    """ḡ: leave a tensor-parallel region into a sequence-parallel one."""
+    return _ScatterSeq.apply(x, dim, group)
+
+
+def gather_output(x: torch.Tensor, dim: int, rank: torch.Tensor, group: str) -> torch.Tensor:
+    """All-gather a sequence-sharded tensor returned to the user (backward keeps the local slice)."""
+    return _GatherOutput.apply(x, dim, rank, group)
+
+
+def sync_grads(group: str, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Identity on a bucket of replicated parameters; their partial gradients are summed
+    over the group in one all-reduce."""
+    return _SyncGrads.apply(group, *params)
+
+
+COLLECTIVES = (copy_to_tp, reduce_from_tp, gather_seq, scatter_seq, gather_output, sync_grads)
