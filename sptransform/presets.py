@@ -120,6 +120,9 @@ PRESETS: dict[str, ModelShape] = {
     "gpt-175b": _paper("gpt-175b", 96, 12288, 96, 8, 8, 64, 64, 1),
     "gpt-530b": _paper("gpt-530b", 128, 20480, 105, 8, 35, 280, 280, 1),
     "gpt-1t": _paper("gpt-1t", 160, 25600, 128, 8, 64, 512, 512, 1),
+    # GPT-3-style shapes from the compute-/memory-bound tutorial's table (head size 128).
+    "gpt-1.3b": ModelShape(name="gpt-1.3b", num_layers=24, hidden=2048, num_heads=16),
+    "gpt-13b": ModelShape(name="gpt-13b", num_layers=40, hidden=5120, num_heads=40),
     # GPT-2 family (HF shapes: vocab 50257, 1024 positions).
     "gpt2-tiny": ModelShape(name="gpt2-tiny", num_layers=2, hidden=128, num_heads=4, vocab_size=50257, seq_len=1024),
     "gpt2": ModelShape(name="gpt2", num_layers=12, hidden=768, num_heads=12, vocab_size=50257, seq_len=1024),

@@ -1,0 +1,121 @@
+"""Enumerate tp x pp x dp, ZeRO stage, recompute policy and micro-batch; keep what fits."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from sptransform.planner.activations import RECOMPUTE_POLICIES, Recompute
+from sptransform.planner.cluster import Cluster
+from sptransform.planner.flops import Utilization
+from sptransform.planner.layout import Layout, ZeroStage, layout_problem
+from sptransform.planner.memory import MemoryBudget, rank_memory
+from sptransform.planner.params import divisors
+from sptransform.planner.throughput import CommunicationTime, estimate_utilization
+from sptransform.planner.workload import Workload
+from sptransform.presets import ModelShape
+
+DEFAULT_ACHIEVED_FRACTION = 0.55
+"""Share of peak FLOP/s a GPU sustains on the hardware FLOPs while the pipeline is
+full. Korthikanti et al.'s Table 5 runs reach 0.53-0.65 once their pipeline bubble
+is taken out; 0.55 sits at the low end."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchSpace:
+    """The values tried on each axis; ``None`` for tp and pp means every one that divides."""
+
+    tp: tuple[int, ...] | None = None
+    pp: tuple[int, ...] | None = None
+    zero_stages: tuple[ZeroStage, ...] = (0, 1, 2, 3)
+    recompute: tuple[Recompute, ...] = RECOMPUTE_POLICIES
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8)
+    sequence_parallel: tuple[bool, ...] = (True, False)
+    interleave: tuple[int, ...] = (1,)
+    colocate_embedding_head: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    layout: Layout
+    stages: tuple[MemoryBudget, ...]
+    """First and last pipeline stage (one entry without pipelining)."""
+    utilization: Utilization
+    communication: CommunicationTime
+    fits: bool
+
+    @property
+    def peak(self) -> MemoryBudget:
+        return max(self.stages, key=lambda budget: budget.total)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    shape: ModelShape
+    cluster: Cluster
+    workload: Workload
+    achieved_fraction: float
+    reserve_bytes: float
+    candidates: tuple[Candidate, ...]
+    """Every valid layout: those that fit by estimated throughput, then the rest by memory."""
+    skipped: int
+    """Combinations that broke a rule (heads, layers or batch not divisible, ...)."""
+
+    @property
+    def fitting(self) -> tuple[Candidate, ...]:
+        return tuple(c for c in self.candidates if c.fits)
+
+    @property
+    def memory_limit(self) -> float:
+        return self.cluster.gpu.memory_bytes - self.reserve_bytes
+
+
+def candidate_layouts(shape: ModelShape, *, cluster: Cluster, space: SearchSpace):
+    """Every combination in ``space`` with ``tp * pp * dp == num_gpus`` (validity not yet checked)."""
+    tps = space.tp or tuple(divisors(cluster.gpus_per_node))
+    for tp in tps:
+        pps = space.pp or tuple(divisors(max(cluster.num_gpus // tp, 1)))
+        for pp in pps:
+            dp = max(cluster.num_gpus // (tp * pp), 1)
+            zero_stages = space.zero_stages if dp > 1 else (0,)
+            sequence_parallel = space.sequence_parallel if tp > 1 else (False,)
+            for zero, recompute, micro_batch, sp, interleave in itertools.product(
+                zero_stages, space.recompute, space.micro_batches, sequence_parallel, space.interleave
+            ):
+                yield Layout(tp=tp, pp=pp, dp=dp, sequence_parallel=sp, zero_stage=zero, recompute=recompute,
+                             micro_batch=micro_batch, interleave=interleave,
+                             colocate_embedding_head=space.colocate_embedding_head)
+
+
+def plan(
+    shape: ModelShape, *, cluster: Cluster, workload: Workload, space: SearchSpace = SearchSpace(),
+    achieved_fraction: float = DEFAULT_ACHIEVED_FRACTION, reserve_bytes: float = 0.0,
+) -> Plan:
+    """Evaluate every valid layout in ``space``; raise ``ValueError`` when none is valid."""
+    candidates, first_problem, skipped = [], None, 0
+    limit = cluster.gpu.memory_bytes - reserve_bytes
+    for layout in candidate_layouts(shape, cluster=cluster, space=space):
+        problem = layout_problem(shape, layout, cluster=cluster, workload=workload)
+        if problem:
+            first_problem, skipped = first_problem or problem, skipped + 1
+            continue
+        stages = tuple(rank_memory(shape, layout, workload=workload))
+        speed, comms = estimate_utilization(shape, layout, cluster=cluster, workload=workload,
+                                            achieved_fraction=achieved_fraction)
+        fits = max(s.total for s in stages) <= limit
+        candidates.append(Candidate(layout=layout, stages=stages, utilization=speed, communication=comms,
+                                    fits=fits))
+    if not candidates:
+        raise ValueError(first_problem or "the search space is empty; give at least one value per axis")
+    candidates.sort(key=_rank)
+    return Plan(shape=shape, cluster=cluster, workload=workload, achieved_fraction=achieved_fraction,
+                reserve_bytes=reserve_bytes, candidates=tuple(candidates), skipped=skipped)
+
+
+def _rank(candidate: Candidate):
+    layout = candidate.layout
+    # Among equal estimates prefer less communication: smaller tp, lower ZeRO stage, fewer stages.
+    simplicity = (layout.tp, layout.zero_stage, layout.pp, not layout.sequence_parallel)
+    if candidate.fits:
+        return (0, -round(candidate.utilization.tokens_per_s, 6), *simplicity, candidate.peak.total)
+    return (1, candidate.peak.total, -candidate.utilization.tokens_per_s, *simplicity)
