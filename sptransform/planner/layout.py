@@ -63,8 +63,8 @@ def layout_problem(shape: ModelShape, layout: Layout, *, cluster: Cluster, workl
     if cluster.num_gpus % model_parallel:
         return (
             f"world size num_gpus={cluster.num_gpus} is not divisible by tp x pp = "
-            f"{layout.tp} x {layout.pp} = {model_parallel}; pick tp and pp whose product divides "
-            f"{cluster.num_gpus}, one of {divisors(cluster.num_gpus)}"
+            f"{layout.tp} x {layout.pp} = {model_parallel}; use tp and pp whose product is in "
+            f"{divisors(cluster.num_gpus)}"
         )
     if model_parallel * layout.dp != cluster.num_gpus:
         return (
