@@ -127,3 +127,20 @@ def test_python_dash_m_runs_the_cli():
     done = subprocess.run([sys.executable, "-m", "sptransform", "flops", "--model", "gpt2", "--mode", "decode"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "fc1" in done.stdout
+
+
+def test_tables_print_as_plain_text_without_rich(monkeypatch, capsys):
+    import builtins
+
+    from sptransform.planner.tables import TextTable, print_table
+
+    real_import = builtins.__import__
+
+    def no_rich(name, *args, **kwargs):
+        if name.startswith("rich"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_rich)
+    print_table(TextTable(title="t", columns=("op", "FLOPs"), rows=(("fc1", "12"), ("fc2", "3")), notes=("n",)))
+    assert capsys.readouterr().out.splitlines() == ["t", "op   FLOPs", "fc1     12", "fc2      3", "n"]

@@ -23,9 +23,9 @@ from sptransform.presets import ModelShape
 HardwareConvention = Literal["actual", "paper-eq8"]
 
 EQ8_NOTE = (
-    "HFU (eq. 8) uses the paper's equation 8, which adds 12·B·s²·h per layer for selective recompute: "
-    "three times the 4·B·s²·h (one forward of QK^T and attention-over-V) that is really recomputed. "
-    "HFU (actual) counts only the recomputed FLOPs, so it is lower."
+    "HFU eq.8 follows the paper's equation 8, which adds 12·B·s²·h per layer for selective recompute: three times "
+    "the 4·B·s²·h (one forward of QK^T and attention-over-V) really recomputed. HFU actual counts only what is "
+    "recomputed, so it is lower."
 )
 
 

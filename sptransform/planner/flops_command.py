@@ -24,7 +24,8 @@ def register(subparsers) -> None:
     parser.set_defaults(run=run)
     parser.add_argument("--model", required=True, help=f"a preset ({', '.join(sorted(PRESETS))}) or a HF config.json")
     parser.add_argument("--gpu", default="A100-80G", help=f"{', '.join(GPU_PRESETS)} (default A100-80G)")
-    parser.add_argument("--seq-len", type=int, help="sequence (training) or KV-cache (decode) length; default: the model's")
+    parser.add_argument("--seq-len", type=int,
+                        help="sequence (training) or KV-cache (decode) length; default: the model's")
     parser.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
     parser.add_argument("--mode", choices=("train", "decode", "both"), default="both")
     parser.add_argument("--heads-as-one", action="store_true",

@@ -114,8 +114,8 @@ def _run_measured(args, shape, cluster, workload) -> int:
         ("hardware FLOPs, actual", f"{measured.hardware_flops:.4e}"),
         ("hardware FLOPs, paper eq. 8", f"{measured.hardware_flops_eq8:.4e}"),
         ("MFU", f"{100 * measured.mfu:.2f}%"),
-        ("HFU (eq. 8)", f"{100 * measured.hfu_eq8:.2f}%"),
-        ("HFU (actual)", f"{100 * measured.hfu:.2f}%"),
+        ("HFU eq.8", f"{100 * measured.hfu_eq8:.2f}%"),
+        ("HFU actual", f"{100 * measured.hfu:.2f}%"),
         ("tokens/s", f"{measured.tokens_per_s:,.0f}"),
     )
     title = (f"{shape.name}, {workload.global_batch} x {workload.seq_len} tokens in {args.iteration_time} s on "

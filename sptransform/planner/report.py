@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from sptransform.planner.cluster import GIB
-from sptransform.planner.flops import EQ8_NOTE
+from sptransform.planner.flops import EQ8_NOTE, hardware_flops, model_flops
 from sptransform.planner.memory import GPU_BUCKETS, MemoryBudget
 from sptransform.planner.params import total_params
 from sptransform.planner.search import Candidate, Plan
@@ -22,16 +22,18 @@ def _gib(value: float) -> str:
 
 def plan_table(plan: Plan, *, top: int) -> TextTable:
     shown = plan.fitting[:top] or plan.candidates[:top]
-    columns = ("layout", "rank", *SHORT_BUCKET_NAMES.values(), "total GiB", "MFU", "HFU", "HFU eq.8", "iter s",
+    columns = ("layout", "rank", *SHORT_BUCKET_NAMES.values(), "total GiB", "MFU", "HFU actual", "HFU eq.8", "iter s",
                "tokens/s")
-    rows = tuple(
-        (c.layout.label(), c.peak.label, *(_gib(getattr(c.peak, name)) for name in GPU_BUCKETS),
-         _gib(c.peak.total), f"{100 * c.utilization.mfu:.1f}%", f"{100 * c.utilization.hfu:.1f}%",
-         f"{100 * c.utilization.hfu_eq8:.1f}%",         f"{c.utilization.iteration_time_s:.2f}", f"{c.utilization.tokens_per_s:,.0f}")
-        for c in shown
-    )
+    rows = tuple(_row(c) for c in shown)
     return TextTable(title=_headline(plan, shown_fitting=bool(plan.fitting)), columns=columns, rows=rows,
                      notes=_notes(plan, shown), right_aligned_from=2)
+
+
+def _row(c: Candidate) -> tuple[str, ...]:
+    speed = c.utilization
+    return (c.layout.label(), c.peak.label, *(_gib(getattr(c.peak, name)) for name in GPU_BUCKETS),
+            _gib(c.peak.total), f"{100 * speed.mfu:.1f}%", f"{100 * speed.hfu:.1f}%", f"{100 * speed.hfu_eq8:.1f}%",
+            f"{speed.iteration_time_s:.2f}", f"{speed.tokens_per_s:,.0f}")
 
 
 def _headline(plan: Plan, *, shown_fitting: bool) -> str:
@@ -53,11 +55,22 @@ def _notes(plan: Plan, shown: tuple[Candidate, ...]) -> tuple[str, ...]:
            if plan.workload.ema == "host" and shown else "") + ".",
         f"Throughput assumes {plan.achieved_fraction:.0%} of peak {plan.cluster.gpu.peak_flops / 1e12:.0f} TFLOP/s "
         "on the hardware FLOPs, plus the pipeline bubble and unhidden communication (see --json for the split). "
-        "HFU counts recomputed FLOPs as really run; HFU eq.8 as the paper's equation 8 does.",
+        "HFU actual counts recomputed FLOPs as really run.",
     ]
+    notes.append(_flops_note(plan))
     if any(c.layout.recompute == "selective" for c in shown):
         notes.append(EQ8_NOTE)
     return tuple(notes)
+
+
+def _flops_note(plan: Plan) -> str:
+    counts = dict(batch=plan.workload.global_batch, seq_len=plan.workload.seq_len)
+    model = model_flops(plan.shape, **counts)
+    extra = {policy: hardware_flops(plan.shape, recompute=policy, **counts) / model - 1
+             for policy in ("selective", "full")}
+    eq8 = hardware_flops(plan.shape, recompute="selective", convention="paper-eq8", **counts) / model - 1
+    return (f"Model FLOPs per iteration: {model:.3e}. Hardware FLOPs add {extra['selective']:.1%} with selective "
+            f"recompute (eq. 8 says {eq8:.1%}) and {extra['full']:.1%} with full recompute.")
 
 
 def plan_json(plan: Plan, *, top: int | None = None) -> dict:
