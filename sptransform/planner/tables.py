@@ -25,12 +25,13 @@ def print_table(table: TextTable, *, file=None) -> None:
     except ImportError:  # rich is a test extra, not a core dependency
         _print_plain(table, file=file)
         return
-    rich_table = Table(title=table.title, title_justify="left")
+    rich_table = Table()
     for index, column in enumerate(table.columns):
         rich_table.add_column(column, justify="right" if index >= table.right_aligned_from else "left")
     for row in table.rows:
         rich_table.add_row(*row)
     console = Console(file=file, width=max(160, Console(file=file).width))
+    console.print(table.title, highlight=False, soft_wrap=True)  # a title inside the table wraps to its width
     console.print(rich_table)
     for note in table.notes:
         console.print(note, highlight=False, soft_wrap=True)
@@ -59,7 +60,7 @@ def plot_stacked_bars(
     import matplotlib.pyplot as plt
 
     buckets = list(dict.fromkeys(name for _, values in bars for name in values))
-    figure, axes = plt.subplots(figsize=(max(6.0, 1.1 * len(bars) + 3), 5))
+    figure, axes = plt.subplots(figsize=(max(7.0, 1.1 * len(bars) + 3), 5))
     bottoms = [0.0] * len(bars)
     positions = range(len(bars))
     for bucket in buckets:
@@ -72,5 +73,5 @@ def plot_stacked_bars(
     axes.set_title(title)
     axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    figure.savefig(path, dpi=120, bbox_inches="tight")  # keep the outside legend
     plt.close(figure)
