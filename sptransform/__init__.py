@@ -1,1 +1,8 @@
-"""sptransform: graph passes that parallelize an unmodified single-device transformer."""
+"""sptransform: graph passes that parallelize an unmodified single-device transformer.
+
+    model = sptransform.parallelize(model, tp=8)
+"""
+
+from .api import ParallelOptions, parallelize
+
+__all__ = ["parallelize", "ParallelOptions"]

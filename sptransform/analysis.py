@@ -83,6 +83,7 @@ class Region:
     """Every node inside -> its output split (a list for ``split`` nodes)."""
     cuts: list[tuple[fx.Node, DimShard]]
     """Replicated tensors entering the region that are cut to the local part."""
+    column_linears: dict[fx.Node, LinearMatch] = field(default_factory=dict)
     kind: Literal["attention", "mlp"] = "mlp"
     layer: int = 0
 
@@ -97,6 +98,8 @@ class ModelAnalysis:
     vocab_embeddings: list[EmbeddingMatch]
     norms: list[fx.Node] = field(default_factory=list)
     dropouts: list[fx.Node] = field(default_factory=list)
+    seq_len: int | None = None
+    """The attention's query length (None without attention)."""
 
     @property
     def num_layers(self) -> int:
@@ -298,7 +301,10 @@ def trace_region(
     kind = "attention" if any(
         packet(n) in (aten.scaled_dot_product_attention, aten.softmax, aten._softmax) for n in specs
     ) else "mlp"
-    return Region(row=row, columns=columns, specs=specs, cuts=cuts, kind=kind)
+    return Region(
+        row=row, columns=columns, specs=specs, cuts=cuts, kind=kind,
+        column_linears={n: linears[n] for n in columns},
+    )
 
 
 def _is_param(node: fx.Node) -> bool:
@@ -350,6 +356,7 @@ def analyze(captured: CapturedGraph, tp: int) -> ModelAnalysis:
     ]
     dropouts = [n for n in graph.nodes if packet(n) is aten.dropout]
     return ModelAnalysis(
+        seq_len=_query_length(regions),
         linears=linears,
         embeddings=embeddings,
         regions=regions,
@@ -379,6 +386,17 @@ def _divisibility_message(graph, lm, linears, derived, tp, structure: Region, er
 def _layer_hint(graph, region: Region) -> str:
     position = {n: i for i, n in enumerate(graph.nodes)}
     return f"at {region.row.weight_name!r}" if region.row.weight_name else str(position[region.row.node])
+
+
+def _query_length(regions: list[Region]) -> int | None:
+    """The sequence length as attention sees it: rows of the score matrix."""
+    for region in regions:
+        for node in region.specs:
+            if packet(node) is aten.scaled_dot_product_attention:
+                return shape_of(node.args[0])[-2]
+            if packet(node) in (aten.softmax, aten._softmax):
+                return shape_of(node)[-2]
+    return None
 
 
 def _pick_head(leftovers: list[LinearMatch]) -> LinearMatch | None:

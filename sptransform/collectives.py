@@ -30,7 +30,6 @@ def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
 
 
 def _all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
-    # all_gather_tensor gathers along dim 0 internally and moves the result into place.
     out = funcol.all_gather_tensor(x.contiguous(), dim, group)
     return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
 

@@ -1,0 +1,69 @@
+"""``ParallelModule.explain()``: regions per layer, parameter placements, collectives."""
+
+from __future__ import annotations
+
+import torch
+
+from .collectives import copy_to_tp, gather_output, gather_seq, reduce_from_tp, scatter_seq, sync_grads
+
+_FORWARD_BACKWARD = {
+    copy_to_tp: ("-", "all-reduce"),
+    reduce_from_tp: ("all-reduce", "-"),
+    gather_seq: ("all-gather", "reduce-scatter"),
+    scatter_seq: ("reduce-scatter", "all-gather"),
+    gather_output: ("all-gather", "-"),
+    sync_grads: ("-", "all-reduce (bucket)"),
+}
+
+
+def collective_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _FORWARD_BACKWARD]
+
+
+def collective_bytes(node: torch.fx.Node, tp: int) -> int:
+    """Bytes of the full (all-gathered / pre-reduction) tensor a collective moves per call."""
+    if node.target is sync_grads:
+        return sum(a.meta["val"].numel() * a.meta["val"].element_size() for a in node.args[1:])
+    val = node.meta.get("val")
+    if val is None:
+        val = node.args[0].meta.get("val")
+    return int(val.numel() * val.element_size()) if val is not None else 0
+
+
+def collective_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """Collectives per forward+backward, by kind, read from the graph."""
+    counts: dict[str, int] = {}
+    for node in collective_nodes(gm):
+        for kind in _FORWARD_BACKWARD[node.target]:
+            if kind != "-":
+                kind = kind.replace(" (bucket)", "")
+                counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+def explain(graph, options) -> str:
+    plan, analysis = graph.plan, graph.analysis
+    lines = [f"sptransform: tp={options.tp} sp={options.sp} dropout_rng={options.dropout_rng}"]
+    lines.append(f"sequence length {analysis.seq_len}; vocab {plan.vocab if plan else '-'}")
+    lines.append("regions:")
+    for region in analysis.regions:
+        cols = ", ".join(region.column_linears[c].weight_name for c in region.columns)
+        lines.append(f"  layer {region.layer:>3} {region.kind:<9} columns [{cols}] -> row {region.row.weight_name}")
+    if analysis.head is not None:
+        lines.append(f"  head {analysis.head.weight_name} (vocab-parallel), loss: {'vocab-parallel cross-entropy' if analysis.loss is not None else 'none'}")
+    if plan is None:
+        return "\n".join(lines)
+    lines.append("parameters:")
+    for name, placement in sorted(plan.placements.items()):
+        pad = f", padded to {placement.padded_rows} rows" if placement.padded_rows else ""
+        lines.append(f"  {name:<50} {str(placement.spec) if placement.spec else 'replicated':<40} {placement.role}{pad}")
+    for name, layer in sorted(plan.sync_params.items(), key=lambda x: x[1]):
+        lines.append(f"  {name:<50} replicated, gradient summed in bucket of layer {layer}")
+    lines.append("collectives (forward / backward, bytes of the full tensor per call):")
+    for node in collective_nodes(graph.gm):
+        fwd, bwd = _FORWARD_BACKWARD[node.target]
+        lines.append(f"  {node.name:<28} {node.target.__name__:<15} fwd {fwd:<15} bwd {bwd:<20} {collective_bytes(node, options.tp):>12,} B")
+    counts = collective_counts(graph.gm)
+    lines.append("per step: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
+    lines.extend(f"note: {n}" for n in plan.notes)
+    return "\n".join(lines)

@@ -1,0 +1,146 @@
+"""Trace a module to its joint graph, partition it, and keep the graphs for measuring.
+
+``partition_module(module, inputs, options=...)`` runs AOTAutograd with the
+rematerialisation partition (or any torch partitioner, for comparison) and hands
+back the joint, forward and backward graph modules. With fake inputs and a module
+holding fake parameters nothing is allocated: this is how one layer of a 175B
+model is measured on a laptop. ``module`` may be any ``nn.Module`` or forward FX
+graph module, including one that holds functional collectives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+
+from sptransform.passes.remat import JointAnalysis, RematOptions, RematPlan, remat_partition, tag_forward
+
+from .flops import FlopsReport, flops_report
+from .memory import MemoryReport, memory_report
+
+
+@dataclass
+class Partitioned:
+    joint: fx.GraphModule
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    num_fwd_outputs: int
+    state_indices: list[int]
+    analysis: JointAnalysis | None = None
+    plan: RematPlan | None = None
+    """``None`` when a torch partitioner made the split."""
+
+    def memory(self) -> MemoryReport:
+        notes = self.plan.notes if self.plan is not None else []
+        return memory_report(
+            self.forward, self.backward, num_fwd_outputs=self.num_fwd_outputs,
+            state_indices=self.state_indices, notes=notes,
+        )
+
+    def flops(self) -> FlopsReport:
+        return flops_report(self.joint, self.forward, self.backward)
+
+
+class _TupleOutput(nn.Module):
+    """AOTAutograd wants a tuple out; models return a tensor or (logits, loss)."""
+
+    def __init__(self, module: nn.Module, select: Callable | None):
+        super().__init__()
+        self.module, self.select = module, select
+
+    def forward(self, *args):
+        out = self.module(*args)
+        if self.select is not None:
+            out = self.select(out)
+        return out if isinstance(out, tuple) else (out,)
+
+
+def state_count(module: nn.Module) -> int:
+    """How many joint inputs AOTAutograd lifts from ``module`` (its parameters and buffers)."""
+    return len(
+        {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers(remove_duplicate=False))}
+    )
+
+
+TORCH_PARTITIONERS = {
+    "torch-default": default_partition,
+    "torch-mincut": min_cut_rematerialization_partition,
+}
+
+
+def partition_module(
+    module: nn.Module,
+    example_inputs: Sequence[torch.Tensor],
+    *,
+    options: RematOptions | None = None,
+    torch_partitioner: str | None = None,
+    select_output: Callable | None = None,
+    activation_memory_budget: float | None = None,
+) -> Partitioned:
+    """Partition ``module(*example_inputs)``'s joint graph and return the graphs.
+
+    Exactly one of ``options`` (sptransform's pass) or ``torch_partitioner`` (one of
+    ``TORCH_PARTITIONERS``, for comparison; ``activation_memory_budget`` sets torch's
+    knapsack budget for ``"torch-mincut"``). ``select_output`` picks what to
+    differentiate from the module's output (e.g. the loss of ``(logits, loss)``)."""
+    if (options is None) == (torch_partitioner is None):
+        raise ValueError("pass exactly one of options= (sptransform) or torch_partitioner=")
+    wrapped = _TupleOutput(module, select_output)
+    state_indices = list(range(state_count(wrapped)))
+    captured: dict = {}
+
+    def keep(analysis, plan, fw, bw):
+        captured.update(analysis=analysis, plan=plan)
+
+    if options is not None:
+        inner = remat_partition(options, state_indices=state_indices, on_partition=keep)
+    else:
+        inner = _torch_partition(torch_partitioner, activation_memory_budget)
+
+    def partition(joint, joint_inputs, *, num_fwd_outputs, **kwargs):
+        captured.update(joint=joint, num_fwd_outputs=num_fwd_outputs)
+        fw, bw = inner(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        captured.update(forward=fw, backward=bw)
+        return fw, bw
+
+    aot_module_simplified(
+        wrapped, list(example_inputs), fw_compiler=_keep_graph, bw_compiler=_keep_graph, partition_fn=partition,
+    )
+    if "backward" not in captured:
+        raise ValueError("nothing requires grad: the module has no backward to partition")
+    return Partitioned(
+        joint=captured["joint"],
+        forward=captured["forward"],
+        backward=captured["backward"],
+        num_fwd_outputs=captured["num_fwd_outputs"],
+        state_indices=state_indices,
+        analysis=captured.get("analysis"),
+        plan=captured.get("plan"),
+    )
+
+
+def _torch_partition(name: str, budget: float | None) -> Callable:
+    if name not in TORCH_PARTITIONERS:
+        raise ValueError(f"unknown torch partitioner {name!r}; use one of {sorted(TORCH_PARTITIONERS)}")
+    partitioner = TORCH_PARTITIONERS[name]
+
+    def partition(joint, joint_inputs, *, num_fwd_outputs, **kwargs):
+        tag_forward(joint, num_fwd_outputs=num_fwd_outputs)
+        if budget is None:
+            return partitioner(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            return partitioner(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+
+    return partition
+
+
+def _keep_graph(gm: fx.GraphModule, example_inputs):
+    from functorch.compile import make_boxed_func
+
+    return make_boxed_func(gm.forward)

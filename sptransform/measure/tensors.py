@@ -1,0 +1,111 @@
+"""Facts about the tensors of an ATen FX graph, read from ``node.meta["val"]`` and op schemas.
+
+Which node is a view of which (and so which storage a saved tensor keeps alive),
+how many bytes that storage holds, and what kind of op a node runs (matmul, fused
+attention, random, collective). Nothing here reads node names or module paths.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+MATMUL_OPS = frozenset({aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.matmul, aten.linear, aten._scaled_mm})
+
+# Ops that return (an alias of) their input without an alias annotation in the
+# schema: ``_unsafe_view`` is how ``reshape`` aliases a fresh clone, and a
+# collective's ``wait_tensor`` hands back the tensor the collective wrote.
+_UNANNOTATED_ALIASES = frozenset({"aten::_unsafe_view", "_c10d_functional::wait_tensor"})
+_COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd", "c10d_functional"})
+
+
+def val(node) -> object:
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def tensor_val(node) -> torch.Tensor | None:
+    value = val(node)
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def packet(node: fx.Node):
+    target = node.target
+    return target.overloadpacket if isinstance(target, torch._ops.OpOverload) else target
+
+
+def _returns_alias(target) -> bool:
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    if target._schema.name in _UNANNOTATED_ALIASES:
+        return True
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in target._schema.returns)
+
+
+def is_view(node: fx.Node) -> bool:
+    """``node`` shares storage with its first tensor input (view, transpose, split item, ...)."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        parent = node.args[0]
+        return isinstance(parent, fx.Node) and parent.op == "call_function" and _returns_alias(parent.target)
+    return _returns_alias(node.target) and isinstance(node.args[0], fx.Node)
+
+
+def storage_root(node: fx.Node) -> fx.Node:
+    """The node that allocated the storage ``node`` looks at."""
+    while is_view(node):
+        node = node.args[0]  # a split item steps to the split, then to the split's input
+    return node
+
+
+def storage_nbytes(node: fx.Node) -> int:
+    """Bytes of the storage ``node`` keeps alive (0 when it is not a tensor)."""
+    value = tensor_val(storage_root(node))
+    if value is None:
+        return 0
+    try:
+        return int(value.untyped_storage().nbytes())
+    except (NotImplementedError, RuntimeError):  # tensor subclasses without a storage
+        return value.numel() * value.element_size()
+
+
+def tensor_nbytes(node: fx.Node) -> int:
+    value = tensor_val(node)
+    return 0 if value is None else value.numel() * value.element_size()
+
+
+def is_random(node: fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+
+
+def is_collective(node: fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and target.namespace in _COLLECTIVE_NAMESPACES
+
+
+def is_matmul(node: fx.Node) -> bool:
+    return node.op == "call_function" and packet(node) in MATMUL_OPS
+
+
+def is_fused_attention(node: fx.Node) -> bool:
+    """A fused softmax-attention kernel (any ``scaled_dot_product`` / flash / efficient op)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    name = target._schema.name
+    return ("scaled_dot_product" in name or "flash_attention" in name or "efficient_attention" in name) and (
+        "backward" not in name
+    )
+
+
+def is_multi_output(node: fx.Node) -> bool:
+    return node.op == "call_function" and isinstance(val(node), (tuple, list))
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    return [a for a in node.all_input_nodes if isinstance(val(a), torch.Tensor) or is_multi_output(a)]

@@ -1,0 +1,253 @@
+"""``ParallelModule``: what ``parallelize`` returns.
+
+It holds the original parameters as DTensors on the tensor-parallel mesh (only
+this rank's shard is stored) under the original names, and runs, for each input
+signature, a captured and transformed graph on the local shards. The pipeline of
+passes is ``build_parallel_graph``, read top to bottom.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.utils import _pytree as pytree
+
+from .analysis import ModelAnalysis, analyze
+from .api import ParallelOptions
+from .capture import CapturedGraph, FakeTemplate, capture, input_signature
+from .ops import RankGenerators, register_generators
+from .passes.dropout import shard_dropout
+from .passes.grad_sync import bucket_replicated_grads
+from .passes.sequence_parallel import sequence_parallel
+from .passes.tensor_parallel import insert_tp_collectives, shard_linears
+from .plan import ParallelPlan, ParamPlacement
+from .sharding import DimShard
+
+
+@dataclass
+class ParallelGraph:
+    captured: CapturedGraph
+    analysis: ModelAnalysis
+    plan: ParallelPlan | None
+
+    @property
+    def gm(self) -> fx.GraphModule:
+        return self.captured.gm
+
+
+def build_parallel_graph(
+    template: FakeTemplate, args: tuple, kwargs: dict, options: ParallelOptions, group: str | None, generators: int
+) -> ParallelGraph:
+    """capture -> analyse -> tensor-parallel -> sequence-parallel (or f/f̄) -> dropout -> grad buckets."""
+    with maybe_disable_local_tensor_mode():  # tracing sees one rank, never simulated ones
+        captured = capture(template, args, kwargs)
+    analysis = analyze(captured, options.tp)
+    if options.tp == 1:
+        return ParallelGraph(captured, analysis, None)
+    gm = captured.gm
+    plan = shard_linears(gm, analysis, tp=options.tp, sp=options.sp, group=group)
+    if options.sp:
+        if analysis.seq_len is None:
+            raise ValueError("sp=True needs an attention to find the sequence dim; none was found: pass sp=False")
+        sequence_parallel(gm, plan, seq_len=analysis.seq_len)
+    else:
+        insert_tp_collectives(gm, plan)
+    shard_dropout(gm, plan, mode=options.dropout_rng, generators=generators)
+    bucket_replicated_grads(gm, plan, [(r.row.node, r.layer) for r in analysis.regions])
+    return ParallelGraph(captured, analysis, plan)
+
+
+def placement_of(spec: DimShard | None) -> object:
+    """``DimShard`` -> DTensor placement (Shard, _StridedShard for k equal segments)."""
+    if spec is None:
+        return Replicate()
+    if len(spec.segments) == 1:
+        return Shard(spec.dim)
+    lengths = {length for _, length in spec.segments}
+    starts = [start for start, _ in spec.segments]
+    if len(lengths) == 1 and starts == [i * next(iter(lengths)) for i in range(len(starts))]:
+        return _StridedShard(spec.dim, split_factor=len(spec.segments))
+    raise ValueError(
+        f"a fused weight split into unequal segments {spec.segments} along dim {spec.dim} has no "
+        "DTensor placement; split the fused projection into separate linears"
+    )
+
+
+class ParallelModule(nn.Module):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        options: ParallelOptions,
+        mesh: DeviceMesh | None,
+        example_args: tuple,
+        example_kwargs: dict,
+    ):
+        super().__init__()
+        self._options = options
+        self._mesh = mesh
+        self._group = mesh.get_group().group_name if mesh is not None else None
+        self._device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+        with maybe_disable_local_tensor_mode():
+            self._template = FakeTemplate(model, self._device)
+        seed = options.seed if options.seed is not None else torch.initial_seed()
+        rank = None if mesh is None or _simulated() else mesh.get_local_rank()
+        self._generators = register_generators(RankGenerators(seed, options.tp, rank))
+        first = self._build(example_args, example_kwargs)
+        self._placements = first.plan.placements if first.plan else {}
+        self._graphs = {input_signature(example_args, example_kwargs): first}
+        self._last = first
+        self._register_state(model)
+        self._rank = self._rank_tensor()
+        self.train(model.training)
+
+    # -- construction -------------------------------------------------------
+
+    def _build(self, args: tuple, kwargs: dict) -> ParallelGraph:
+        return build_parallel_graph(self._template, args, kwargs, self._options, self._group, self._generators)
+
+    def _register_state(self, model: nn.Module) -> None:
+        converted: dict[int, nn.Parameter] = {}
+        aliases: dict[int, list[str]] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(param), []).append(name)
+        for name, param in model.named_parameters(remove_duplicate=False):
+            if id(param) not in converted:
+                # A tied parameter is planned under whichever of its names the graph used.
+                planned = next((n for n in aliases[id(param)] if n in self._placements), name)
+                converted[id(param)] = self._shard_parameter(planned, param)
+            _set_by_path(self, name, converted[id(param)], kind="parameter")
+        for module_name, module in model.named_modules(remove_duplicate=False):
+            for buffer_name, buf in module._buffers.items():
+                if buf is None:
+                    continue
+                name = f"{module_name}.{buffer_name}" if module_name else buffer_name
+                persistent = buffer_name not in module._non_persistent_buffers_set
+                _set_by_path(self, name, buf, kind="buffer", persistent=persistent)
+
+    def _shard_parameter(self, name: str, param: nn.Parameter) -> nn.Parameter:
+        if self._mesh is None:
+            return param
+        placement = placement_of(self._placements.get(name, ParamPlacement(None, "replicated")).spec)
+        if param.device.type == "meta":
+            local_shape = _local_shape(param.shape, placement, self._mesh)
+            local = torch.empty(local_shape, dtype=param.dtype, device=self._device)
+            dtensor = DTensor.from_local(local, self._mesh, [placement], run_check=False, shape=param.shape, stride=param.stride())
+        else:
+            # Rank 0's values are the source of truth on a real group; LocalTensorMode's
+            # scatter mishandles tensors made outside it, and every simulated rank holds
+            # the same full tensor anyway.
+            source = None if _simulated() else 0
+            dtensor = distribute_tensor(param.detach(), self._mesh, [placement], src_data_rank=source)
+        return nn.Parameter(dtensor, requires_grad=param.requires_grad)
+
+    def _rank_tensor(self) -> torch.Tensor | None:
+        if self._mesh is None:
+            return None
+        ranks = torch.arange(self._options.tp, device=self._device)
+        return distribute_tensor(ranks, self._mesh, [Shard(0)], src_data_rank=None).to_local().reshape(())
+
+    # -- running ------------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        key = input_signature(args, kwargs)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._build(args, kwargs)
+            if graph.plan is not None and graph.plan.placements != self._placements:
+                raise AssertionError("a new input shape changed parameter placement")
+            self._graphs[key] = graph
+        self._last = graph
+        captured = graph.captured
+        state = [self._local_state(name, captured) for name in captured.state_names]
+        flat_inputs = pytree.tree_leaves((tuple(args), dict(kwargs)))
+        extra = [self._rank] if graph.plan is not None else []
+        outputs = captured.gm(*state, *flat_inputs, *extra)
+        outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+        if graph.plan is not None:
+            for index, (spec, size) in graph.plan.output_specs.items():
+                outputs[index] = self._as_dtensor(outputs[index], spec, size)
+        return pytree.tree_unflatten(outputs, captured.out_spec)
+
+    def _local_state(self, name: str, captured: CapturedGraph) -> torch.Tensor:
+        if name in captured.constants:
+            return captured.constants[name]
+        value = _get_by_path(self, name)
+        return value.to_local() if isinstance(value, DTensor) else value
+
+    def _as_dtensor(self, local: torch.Tensor, spec: DimShard, size: int) -> DTensor:
+        shape = list(local.shape)
+        shape[spec.dim] = size
+        return DTensor.from_local(
+            local, self._mesh, [Shard(spec.dim)], run_check=False, shape=torch.Size(shape),
+            stride=_contiguous_stride(shape),
+        )
+
+    # -- inspection ---------------------------------------------------------
+
+    @property
+    def code(self) -> str:
+        """This rank's graph, as Python, with its collectives (the last signature run)."""
+        return self._last.gm.code
+
+    @property
+    def plan(self) -> ParallelPlan | None:
+        return self._last.plan
+
+    def explain(self) -> str:
+        from .explain import explain
+
+        return explain(self._last, self._options)
+
+
+def _simulated() -> bool:
+    from torch.distributed._local_tensor import local_tensor_mode
+
+    return local_tensor_mode() is not None
+
+
+def _local_shape(shape, placement, mesh) -> list[int]:
+    local = list(shape)
+    if isinstance(placement, (Shard, _StridedShard)):
+        n = mesh.size()
+        local[placement.dim] = -(-shape[placement.dim] // n)
+    return local
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))
+
+
+def _set_by_path(root: nn.Module, path: str, value, *, kind: str, persistent: bool = True) -> None:
+    *parents, leaf = path.split(".")
+    module = root
+    for part in parents:
+        child = module._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            module.add_module(part, child)
+        module = child
+    if kind == "parameter":
+        module.register_parameter(leaf, value)
+    else:
+        module.register_buffer(leaf, value, persistent=persistent)
+
+
+def _get_by_path(root: nn.Module, path: str):
+    *parents, leaf = path.split(".")
+    module = root
+    for part in parents:
+        module = module._modules[part]
+    return getattr(module, leaf)
+

@@ -1,0 +1,188 @@
+"""Rank-aware local ops the passes put into graphs.
+
+Every op that depends on which rank runs it takes ``rank``, a 0-dim int64 tensor
+input of the graph, rather than a Python int: the same graph then serves every
+rank, and in-process simulation (LocalTensorMode) gives each simulated rank its
+own value.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch.distributed._local_tensor import local_tensor_mode
+
+from .collectives import _all_reduce
+
+
+def take_local(x: torch.Tensor, dim: int, table: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
+    """Cut a replicated tensor to this rank's part along ``dim`` (row ``rank`` of ``table``
+    holds the indices). Backward puts the gradient back in place, zeros elsewhere: the
+    gradient of the replicated tensor is then partial over the group."""
+    return x.index_select(dim, _row(table, rank))
+
+
+def _row(table: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
+    # Indexed by a tensor op, not table[rank]: a simulated rank is not a Python int.
+    return table.index_select(0, rank.reshape(1)).squeeze(0)
+
+
+def pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
+    """Pad a vocab shard with zero rows up to ``rows`` (the last ranks of an uneven split)."""
+    return F.pad(w, (0, 0, 0, rows - w.shape[0]))
+
+
+def pad_last(w: torch.Tensor, cols: int) -> torch.Tensor:
+    return F.pad(w, (0, cols - w.shape[-1]))
+
+
+def narrow_vocab(logits: torch.Tensor, rank: torch.Tensor, per_rank: int, vocab: int) -> torch.Tensor:
+    """Drop the padded vocab columns of this rank's logits (uneven split at the end)."""
+    valid = min(per_rank, vocab)
+    if vocab % per_rank == 0:
+        return logits
+    mode = local_tensor_mode()
+    if mode is not None:
+        from torch.distributed._local_tensor import tensor_map
+
+        return tensor_map(logits, lambda r, t: t[..., : max(0, min(per_rank, vocab - r * per_rank))])
+    r = int(rank)
+    return logits[..., : max(0, min(valid, vocab - r * per_rank))]
+
+
+def vocab_parallel_embedding(
+    weight: torch.Tensor, ids: torch.Tensor, rank: torch.Tensor, per_rank: int
+) -> torch.Tensor:
+    """Look up the ids this rank's vocab slice holds; the rest give zero rows.
+    The output is partial: summing it over the group gives the full embedding."""
+    local = ids - rank * per_rank
+    outside = (local < 0) | (local >= per_rank)
+    rows = F.embedding(local.masked_fill(outside, 0), weight)
+    return rows.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, rank, per_rank, vocab, ignore_index, reduction, group):
+        n_classes = logits.shape[-1]
+        columns = torch.arange(n_classes, device=logits.device) + rank * per_rank
+        logits = logits.masked_fill(columns >= vocab, float("-inf"))
+        row_max = logits.detach().amax(dim=-1, keepdim=True)
+        row_max = funcol.wait_tensor(funcol.all_reduce(row_max.contiguous(), "max", group))
+        shifted = logits - row_max
+        exp = shifted.exp()
+        total = _all_reduce(exp.sum(dim=-1), group)
+        local_target = target - rank * per_rank
+        mine = (local_target >= 0) & (local_target < n_classes)
+        index = local_target.masked_fill(~mine, 0).unsqueeze(-1)
+        picked = shifted.gather(-1, index).squeeze(-1).masked_fill(~mine, 0.0)
+        picked = _all_reduce(picked, group)
+        valid = target != ignore_index
+        losses = (total.log() - picked).masked_fill(~valid, 0.0)
+        count = valid.sum()
+        ctx.save_for_backward(exp / total.unsqueeze(-1), index, mine, valid, count)
+        ctx.reduction = reduction
+        if reduction == 0:
+            return losses
+        if reduction == 2:
+            return losses.sum()
+        return losses.sum() / count
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, index, mine, valid, count = ctx.saved_tensors
+        grad_logits = softmax.clone()
+        grad_logits.scatter_add_(-1, index, -mine.to(softmax.dtype).unsqueeze(-1))
+        grad_logits = grad_logits * valid.unsqueeze(-1)
+        if ctx.reduction == 0:
+            grad_logits = grad_logits * grad.unsqueeze(-1)
+        elif ctx.reduction == 2:
+            grad_logits = grad_logits * grad
+        else:
+            grad_logits = grad_logits * (grad / count)
+        return grad_logits, None, None, None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    rank: torch.Tensor,
+    per_rank: int,
+    vocab: int,
+    ignore_index: int,
+    reduction: int,
+    group: str,
+) -> torch.Tensor:
+    """Cross-entropy over logits split along the vocab (last) dim; the full-vocab
+    logits never exist on one rank. ``reduction``: 0 none, 1 mean, 2 sum (ATen's enum)."""
+    return _VocabParallelCrossEntropy.apply(
+        logits, target, rank, per_rank, vocab, ignore_index, reduction, group
+    )
+
+
+# ---------------------------------------------------------------------------
+# dropout
+
+
+def reference_dropout(
+    x: torch.Tensor,
+    p: float,
+    train: bool,
+    dim: int,
+    table: torch.Tensor,
+    rank: torch.Tensor,
+    full_shape: list[int],
+    full_stride: list[int],
+) -> torch.Tensor:
+    """Dropout whose mask is, bit for bit, the one the single-device model draws:
+    draw the full mask exactly as ATen's CPU dropout does (``empty_like(input)``
+    with the input's strides, ``bernoulli_(1 - p)``, ``div_(1 - p)``) from the
+    default generator, then keep this rank's slice."""
+    if not train or p == 0:
+        return x
+    noise = torch.empty_strided(full_shape, full_stride, dtype=x.dtype, device=x.device)
+    noise.bernoulli_(1 - p)
+    noise.div_(1 - p)
+    return x * noise.index_select(dim, _row(table, rank))
+
+
+class RankGenerators:
+    """One torch.Generator per rank, seeded ``seed + rank``: masks of sharded
+    activations differ across ranks and repeat run after run."""
+
+    def __init__(self, seed: int, group_size: int, rank: int | None):
+        self.seed = seed
+        self.rank = rank
+        self.generators = {
+            r: torch.Generator().manual_seed(seed + 1 + r)
+            for r in (range(group_size) if rank is None else [rank])
+        }
+
+
+_RANK_GENERATORS: dict[int, RankGenerators] = {}
+
+
+def register_generators(gens: RankGenerators) -> int:
+    key = len(_RANK_GENERATORS)
+    _RANK_GENERATORS[key] = gens
+    return key
+
+
+def independent_dropout(x: torch.Tensor, p: float, train: bool, generators: int) -> torch.Tensor:
+    """Dropout of a sharded activation with this rank's own generator."""
+    if not train or p == 0:
+        return x
+    gens = _RANK_GENERATORS[generators]
+    mode = local_tensor_mode()
+
+    def draw(r: int, t: torch.Tensor) -> torch.Tensor:
+        keep = torch.empty(t.shape, dtype=t.dtype).bernoulli_(1 - p, generator=gens.generators[r])
+        return keep.div_(1 - p)
+
+    if mode is not None:
+        from torch.distributed._local_tensor import tensor_map
+
+        return x * tensor_map(x, draw)
+    return x * draw(gens.rank if gens.rank is not None else dist.get_rank(), x)

@@ -1,0 +1,525 @@
+"""Rematerialisation as a partition of the AOTAutograd joint forward+backward graph.
+
+Paper's layer, policy ``"selective"`` (Korthikanti et al. 2022, section 5):
+
+    before:  fw saves q, k, softmax(s), dropout mask, dropout(softmax(s)), v      (4sbh... + 5as^2b bytes)
+    after:   fw saves q, k, v and the RNG state of the attention dropout;
+             bw runs s = q @ k^T; p = softmax(mask(s * scale)); d = dropout(p)   (dropout replayed exactly)
+             just before the backward of attention-over-V needs d and p
+
+The pass is a ``partition_fn`` for ``aot_module_simplified`` / ``aot_function``. It
+never edits the user's model; it reads the joint graph and returns new forward and
+backward graph modules. It is split in two:
+
+* **find** (``analyze_joint`` + ``plan_remat``): which forward values to save.
+  Every policy is the same s-t min cut over the forward nodes (node ``v`` split in
+  ``v_in -> v_out`` with capacity = bytes ``v`` keeps alive if saved; ``source ->
+  v_in`` with capacity = lambda * cost of recomputing ``v``; data edges and "needed
+  by the backward" edges infinite). A policy only sets which nodes may not be saved
+  (``must_recompute``) and which may not be recomputed (``banned``):
+
+  - ``"none"``: nothing with a cost is recomputed (views and constants are free);
+  - ``"selective"``: the attention internals between QK^T and attention-over-V may
+    not be saved (explicit softmax attention only; with a fused kernel there is
+    nothing materialized there and the plan's notes say so);
+  - ``"full"``: nothing inside a layer may be saved except the layer inputs;
+  - ``"norm_upproj"``: norms and MLP up-projections are recomputed (DeepSeek-V3);
+  - ``"budget"``: nothing is forced; the cut is solved for every lambda (the lower
+    convex hull of saved bytes against recompute cost, layers tie-broken so they
+    switch one at a time), and the cheapest hull point under the budget wins.
+
+  Random ops are recomputed only by exact RNG replay (``run_and_save_rng_state``
+  in the forward, ``run_with_rng_state`` in the backward); with ``replay_rng=False``
+  their outputs (the masks) are saved. Collectives are never recomputed unless
+  ``recompute_collectives=True``, and then cost ``flops_per_comm_byte`` per byte.
+* **rewrite** (``apply_plan``): extract the forward and backward modules around the
+  saved set, drop dead recomputation, functionalize the replayed RNG ops and order
+  the backward so recomputation happens just before use.
+
+``node.meta``: reads ``"val"``; writes ``"recompute"`` on replayed random nodes of the
+joint graph (what torch's RNG functionalization reads) and ``FORWARD_TAG`` on its
+forward nodes (so a backward graph's recomputed ops can be found and counted).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Sequence
+
+import networkx as nx
+import torch
+import torch.fx as fx
+from networkx.algorithms.flow import boykov_kolmogorov
+from torch._functorch import partitioners as torch_partitioners
+from torch.utils.checkpoint import CheckpointPolicy
+
+from sptransform.measure.flops import FORWARD_TAG, Cost, node_cost
+from sptransform.measure.regions import GraphRegions, classify_regions
+from sptransform.measure.tensors import (
+    is_collective,
+    is_multi_output,
+    is_random,
+    is_view,
+    storage_nbytes,
+    storage_root,
+    val,
+)
+
+log = logging.getLogger(__name__)
+
+RematPolicy = Literal["none", "selective", "full", "norm_upproj", "budget"]
+POLICIES: tuple[RematPolicy, ...] = ("none", "selective", "full", "norm_upproj", "budget")
+_MAX_HULL_SOLVES = 400
+
+
+@dataclass(frozen=True, kw_only=True)
+class RematOptions:
+    """How the joint graph is partitioned."""
+
+    policy: RematPolicy = "none"
+    """What to recompute; see the module docstring."""
+    budget: int | float | None = None
+    """For ``policy="budget"``: bytes saved for backward per rank (an int), or a fraction
+    of what ``"none"`` saves (a float in (0, 1])."""
+    replay_rng: bool = True
+    """Recompute random ops by replaying their RNG state exactly; else save their outputs."""
+    recompute_collectives: bool = False
+    """Allow recomputing collectives (priced by the bytes they move)."""
+    regather_sequence_shards: bool = False
+    """Sequence parallelism: never save an all-gather's output that feeds a weight matmul;
+    save its local shard and gather again in backward (the paper's section 4.2.2)."""
+    flops_per_comm_byte: float = 1000.0
+    """Recompute cost of moving one byte, in FLOPs (about an A100's FLOP/s over its NVLink B/s)."""
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown recompute policy {self.policy!r}; use one of {list(POLICIES)}")
+        if self.policy == "budget":
+            if self.budget is None:
+                raise ValueError('policy="budget" needs budget=<bytes per rank> or a fraction of "none" in (0, 1]')
+            if isinstance(self.budget, float) and not 0 < self.budget <= 1:
+                raise ValueError(f"budget={self.budget} as a fraction of 'none' must be in (0, 1]; pass bytes as an int")
+            if isinstance(self.budget, int) and self.budget < 0:
+                raise ValueError(f"budget={self.budget} bytes is negative")
+        elif self.budget is not None:
+            raise ValueError(f'budget={self.budget!r} only applies to policy="budget", not {self.policy!r}')
+
+
+# ---------------------------------------------------------------------------
+# find
+
+
+@dataclass
+class JointAnalysis:
+    """What the partitioner needs to know about a joint graph, computed once."""
+
+    joint: fx.GraphModule
+    num_fwd_outputs: int
+    forward: list[fx.Node]
+    """Forward-side nodes: everything that does not depend on a tangent."""
+    needed_by_backward: set[fx.Node]
+    required_fw: set[fx.Node]
+    """Nodes the forward outputs depend on (recomputing one of them is extra work)."""
+    regions: GraphRegions
+    save_bytes: dict[fx.Node, int]
+    cost: dict[fx.Node, Cost]
+    free: set[fx.Node]
+    """Recomputed at no cost: views, constants, and values only the backward reads."""
+    unsaveable: set[fx.Node]
+
+    def weighted_cost(self, node: fx.Node, options: RematOptions) -> float:
+        c = self.cost[node]
+        return float(c.matmul_flops + c.elementwise + options.flops_per_comm_byte * c.comm_bytes)
+
+
+def analyze_joint(
+    joint: fx.GraphModule, *, num_fwd_outputs: int, state_indices: Sequence[int]
+) -> JointAnalysis:
+    """Classify the joint graph's nodes. ``state_indices``: which primals are parameters or buffers."""
+    info = torch_partitioners.classify_nodes(joint, list(state_indices), num_fwd_outputs)
+    backward = set(info.tangents_closure)
+    primals = [n for n in joint.graph.nodes if n.op == "placeholder" and not _is_tangent(n)]
+    state = {p for i, p in enumerate(primals) if i in set(state_indices)}
+    forward = [n for n in joint.graph.nodes if n.op != "output" and n not in backward and not _is_tangent(n)]
+    outputs = next(iter(joint.graph.find_nodes(op="output"))).args[0]
+    bwd_outputs = {o for o in outputs[num_fwd_outputs:] if isinstance(o, fx.Node)}
+    forward_set = set(forward)
+    needed = {n for n in forward if any(u in backward for u in n.users) or n in bwd_outputs}
+    regions = classify_regions(joint.graph, state=state, ignore=backward)
+    required_fw = {n for n in info.required_fw_nodes if n in forward_set}
+    save_bytes, cost, free, unsaveable = {}, {}, set(), set()
+    for n in forward:
+        cost[n] = node_cost(n)
+        if n.op == "placeholder":
+            save_bytes[n] = 0 if n in state else storage_nbytes(n)
+            continue
+        if is_multi_output(n) or not isinstance(val(n), (torch.Tensor, torch.SymInt, int, float)):
+            unsaveable.add(n)
+            save_bytes[n] = 0
+        else:
+            root = storage_root(n)
+            save_bytes[n] = 0 if root in state or isinstance(val(n), (torch.SymInt, int, float)) else storage_nbytes(n)
+        expensive = cost[n].matmul_flops or cost[n].comm_bytes or is_random(n)
+        if is_view(n) or n not in required_fw or (n in regions.constant and not expensive):
+            free.add(n)
+    return JointAnalysis(
+        joint=joint,
+        num_fwd_outputs=num_fwd_outputs,
+        forward=forward,
+        needed_by_backward=needed,
+        required_fw=required_fw,
+        regions=regions,
+        save_bytes=save_bytes,
+        cost=cost,
+        free=free,
+        unsaveable=unsaveable,
+    )
+
+
+def _is_tangent(node: fx.Node) -> bool:
+    return node.op == "placeholder" and "tangents" in str(node.target)
+
+
+@dataclass
+class Constraints:
+    """A policy, as constraints on the cut."""
+
+    must_recompute: set[fx.Node] = field(default_factory=set)
+    """May not be saved."""
+    banned: set[fx.Node] = field(default_factory=set)
+    """May not be recomputed."""
+    notes: list[str] = field(default_factory=list)
+
+
+def policy_constraints(analysis: JointAnalysis, options: RematOptions) -> Constraints:
+    """Translate ``options`` into must-recompute and banned node sets."""
+    regions = analysis.regions
+    out = Constraints()
+    for n in analysis.forward:
+        if n.op == "placeholder":
+            out.banned.add(n)
+        elif is_random(n) and not options.replay_rng:
+            out.banned.add(n)
+        elif is_collective(n) and not options.recompute_collectives and n not in analysis.free:
+            out.banned.add(n)
+        elif n.op == "call_function" and n.is_impure(impure_random=False) and not is_collective(n):
+            out.banned.add(n)
+    if options.regather_sequence_shards:
+        out.must_recompute |= _sequence_gathers(analysis)
+        out.banned -= out.must_recompute
+    policy = options.policy
+    if policy == "budget":
+        return out
+    wanted: set[fx.Node] = set()
+    if policy == "selective":
+        wanted = _selective_nodes(analysis, out.notes)
+    elif policy == "full":
+        wanted = {n for sub in regions.sublayers for n in sub.body} - set(regions.boundaries)
+        out.banned |= set(regions.boundaries) & set(analysis.forward)
+    elif policy == "norm_upproj":
+        wanted = {n for n in regions.norms if regions.layer.get(n) is not None} | regions.up_projections
+    wanted |= {u for n in wanted for u in n.users if u.target is operator.getitem}
+    kept = {n for n in wanted if n in out.banned and n.op != "placeholder"}
+    if kept:
+        out.notes.append(_describe_kept(kept))
+    wanted -= out.banned
+    wanted -= {u for n in kept for u in n.users if u.target is operator.getitem}  # a kept op's outputs are saved
+    out.must_recompute |= wanted
+    out.banned |= {n for n in analysis.forward if n not in out.must_recompute and n not in analysis.free}
+    out.banned -= out.must_recompute
+    return out
+
+
+def _selective_nodes(analysis: JointAnalysis, notes: list[str]) -> set[fx.Node]:
+    cores = analysis.regions.cores
+    explicit = [c for c in cores if not c.fused]
+    fused = len(cores) - len(explicit)
+    if fused:
+        notes.append(
+            f"selective: {fused} attention layer(s) use a fused kernel; no s x s tensor is materialized "
+            "there, so nothing is worth recomputing (they save what 'none' saves)"
+        )
+    if not cores:
+        notes.append("selective: no attention found in the graph; nothing to recompute")
+    return {n for c in explicit for n in c.internals}
+
+
+def _describe_kept(kept: set[fx.Node]) -> str:
+    random = sum(1 for n in kept if is_random(n))
+    collectives = sum(1 for n in kept if is_collective(n))
+    parts = []
+    if random:
+        parts.append(f"{random} random op(s) (RNG replay is off, so their masks are saved)")
+    if collectives:
+        parts.append(f"{collectives} collective(s) (recompute_collectives=False, so their outputs are saved)")
+    if len(kept) > random + collectives:
+        parts.append(f"{len(kept) - random - collectives} other op(s) that cannot be recomputed")
+    return "kept instead of recomputed: " + ", ".join(parts)
+
+
+def _sequence_gathers(analysis: JointAnalysis) -> set[fx.Node]:
+    """All-gathers (and their waits) whose output feeds a weight matmul."""
+    found = set()
+    operands = set(analysis.regions.weight_matmuls.values())
+    for n in analysis.forward:
+        if is_collective(n) and "all_gather" in n.target._schema.name:
+            chain, node = [n], n
+            while len(node.users) == 1 and (is_collective(next(iter(node.users))) or is_view(next(iter(node.users)))):
+                node = next(iter(node.users))
+                chain.append(node)
+            if any(c in operands or any(u in analysis.regions.weight_matmuls for u in c.users) for c in chain):
+                found.update(chain)
+    return found
+
+
+@dataclass
+class CutSolution:
+    saved: list[fx.Node]
+    recomputed: list[fx.Node]
+    """Required forward nodes the backward runs again."""
+    replayed: list[fx.Node]
+    """Random ops among them (RNG replay)."""
+    saved_bytes: int
+    """Unique storages kept for backward, parameters excluded (RNG states not included)."""
+    recompute: Cost
+    weighted_bytes: float = 0.0
+    weighted_cost: float = 0.0
+
+
+class MinCut:
+    """The s-t cut graph of one joint graph under one set of constraints; solve for any lambda."""
+
+    def __init__(self, analysis: JointAnalysis, constraints: Constraints, options: RematOptions):
+        self.analysis, self.options = analysis, options
+        self.graph = nx.DiGraph()
+        self.cost_edges: dict[fx.Node, float] = {}
+        forward = set(analysis.forward)
+        layers = analysis.regions.layer
+        for n in analysis.forward:
+            name_in, name_out = ("in", n), ("out", n)
+            if n in analysis.unsaveable or n in constraints.must_recompute:
+                self.graph.add_edge(name_in, name_out)  # no capacity attribute: infinite
+            else:
+                self.graph.add_edge(name_in, name_out, capacity=float(analysis.save_bytes[n]))
+            if n in constraints.banned:
+                self.graph.add_edge("source", name_in)
+            elif n not in analysis.free:
+                # Identical layers would tie; scaling each layer's cost a little makes
+                # them switch one at a time as lambda moves, so budgets between two
+                # per-layer choices are met by mixing layers.
+                tie_break = 1.0 + 1e-5 * ((layers.get(n) or 0) + 1)
+                self.cost_edges[n] = analysis.weighted_cost(n, options) * tie_break
+                self.graph.add_edge("source", name_in, capacity=0.0)
+            for user in n.users:
+                if user in forward:
+                    self.graph.add_edge(name_out, ("in", user))
+            if n in analysis.needed_by_backward:
+                self.graph.add_edge(name_out, "sink")
+        if "sink" not in self.graph:
+            self.graph.add_node("sink")
+        if "source" not in self.graph:
+            self.graph.add_node("source")
+        self.total_cost = sum(self.cost_edges.values())
+        self.total_bytes = float(sum(analysis.save_bytes.values()))
+        positive = [c for c in self.cost_edges.values() if c > 0]
+        self.min_cost = min(positive) if positive else 1.0
+        self._cache: dict[float, CutSolution] = {}
+
+    def solve(self, lam: float) -> CutSolution:
+        if lam in self._cache:
+            return self._cache[lam]
+        for n, c in self.cost_edges.items():
+            self.graph["source"][("in", n)]["capacity"] = lam * c
+        try:
+            _, (source_side, _) = nx.minimum_cut(self.graph, "source", "sink", flow_func=boykov_kolmogorov)
+        except nx.NetworkXUnbounded as err:
+            raise ValueError(
+                "the recompute policy is infeasible on this graph: a value the backward needs can neither "
+                "be saved nor recomputed (a random op without RNG replay or a collective inside a region "
+                "that must be recomputed); set replay_rng=True or recompute_collectives=True"
+            ) from err
+        solution = self._decode(source_side)
+        self._cache[lam] = solution
+        return solution
+
+    def _decode(self, source_side: set) -> CutSolution:
+        a = self.analysis
+        saved, recomputed = [], []
+        for n in a.forward:
+            if ("in", n) in source_side and ("out", n) not in source_side:
+                saved.append(n)
+            elif ("in", n) not in source_side and n in a.required_fw and a.cost[n] != Cost():
+                recomputed.append(n)
+        roots = {storage_root(n) for n in saved}
+        saved_bytes = sum(storage_nbytes(r) for r in roots if r not in a.regions.state)
+        recompute = Cost()
+        for n in recomputed:
+            recompute = recompute + a.cost[n]
+        return CutSolution(
+            saved=saved,
+            recomputed=recomputed,
+            replayed=[n for n in recomputed if is_random(n)],
+            saved_bytes=saved_bytes,
+            recompute=recompute,
+            weighted_bytes=sum(a.save_bytes[n] for n in saved),
+            weighted_cost=sum(self.cost_edges.get(n, 0.0) for n in recomputed),
+        )
+
+    def cheapest(self) -> CutSolution:
+        """Least recompute (ties: fewest bytes)."""
+        return self.solve(10.0 * (self.total_bytes + 1.0) / self.min_cost)
+
+    def smallest(self) -> CutSolution:
+        """Fewest bytes (ties: least recompute)."""
+        return self.solve(0.1 / (self.total_cost + 1.0))
+
+    def frontier(self) -> list[CutSolution]:
+        """Vertices of the lower convex hull of (saved bytes, recompute cost), by bytes."""
+        low, high = self.smallest(), self.cheapest()
+        points = {id(low): low, id(high): high}
+        stack = [(low, high)]
+        while stack and len(self._cache) < _MAX_HULL_SOLVES:
+            a, b = stack.pop()
+            if a.weighted_cost <= b.weighted_cost or a.weighted_bytes >= b.weighted_bytes:
+                continue
+            lam = (b.weighted_bytes - a.weighted_bytes) / (a.weighted_cost - b.weighted_cost)
+            m = self.solve(lam)
+            edge = a.weighted_bytes + lam * a.weighted_cost
+            if m.weighted_bytes + lam * m.weighted_cost < edge * (1 - 1e-9) - 1e-6:
+                points[id(m)] = m
+                stack += [(a, m), (m, b)]
+        if stack:
+            log.warning("remat frontier truncated after %d min-cut solves", len(self._cache))
+        return sorted(points.values(), key=lambda s: (s.saved_bytes, s.recompute.matmul_flops))
+
+
+@dataclass
+class RematPlan:
+    """The find step's answer: what the forward saves and what the backward recomputes."""
+
+    policy: RematPolicy
+    solution: CutSolution
+    notes: list[str] = field(default_factory=list)
+    frontier: list[CutSolution] = field(default_factory=list)
+    """For ``"budget"``: every hull point considered."""
+    minimum_feasible_bytes: int | None = None
+
+    @property
+    def saved(self) -> list[fx.Node]:
+        return self.solution.saved
+
+    @property
+    def recomputed(self) -> list[fx.Node]:
+        return self.solution.recomputed
+
+
+def plan_remat(analysis: JointAnalysis, options: RematOptions) -> RematPlan:
+    """Choose the saved set for ``options.policy`` (the find step)."""
+    constraints = policy_constraints(analysis, options)
+    cut = MinCut(analysis, constraints, options)
+    if options.policy != "budget":
+        plan = RematPlan(options.policy, cut.cheapest(), notes=constraints.notes)
+    else:
+        plan = _plan_budget(analysis, cut, options, constraints.notes)
+    for note in plan.notes:
+        log.info("remat: %s", note)
+    return plan
+
+
+def _plan_budget(analysis: JointAnalysis, cut: MinCut, options: RematOptions, notes: list[str]) -> RematPlan:
+    rng_bytes = _rng_state_nbytes()
+    budget = options.budget
+    if isinstance(budget, float):
+        none = MinCut(analysis, policy_constraints(analysis, RematOptions(policy="none")), options).cheapest()
+        budget = int(budget * none.saved_bytes)
+    hull = cut.frontier()
+    minimum = min(s.saved_bytes + rng_bytes * len(s.replayed) for s in hull)
+    fitting = [s for s in hull if s.saved_bytes + rng_bytes * len(s.replayed) <= budget]
+    if not fitting:
+        raise ValueError(
+            f"budget={budget} bytes is below the minimum feasible budget of {minimum} bytes for this graph "
+            f"(saving only inputs and RNG states and recomputing everything else); use budget >= {minimum}"
+        )
+    best = min(fitting, key=lambda s: (analysis_cost(s, options), s.saved_bytes))
+    notes = notes + [f"budget {budget} bytes: saving {best.saved_bytes} bytes, {len(hull)} hull points"]
+    return RematPlan("budget", best, notes=notes, frontier=hull, minimum_feasible_bytes=minimum)
+
+
+def analysis_cost(solution: CutSolution, options: RematOptions) -> float:
+    c = solution.recompute
+    return c.matmul_flops + c.elementwise + options.flops_per_comm_byte * c.comm_bytes
+
+
+def _rng_state_nbytes() -> int:
+    return torch.get_rng_state().numel()
+
+
+# ---------------------------------------------------------------------------
+# rewrite
+
+
+def apply_plan(analysis: JointAnalysis, plan: RematPlan) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Build the forward and backward graph modules for ``plan`` (the rewrite step)."""
+    joint = analysis.joint
+    for n in analysis.required_fw:
+        n.meta[FORWARD_TAG] = True
+    for n in plan.solution.replayed:
+        n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    saved_sym = [n for n in plan.saved if isinstance(val(n), (torch.SymInt, torch.SymFloat, torch.SymBool))]
+    saved_values = [n for n in plan.saved if n not in saved_sym]
+    fw, bw = torch_partitioners._extract_fwd_bwd_modules(
+        joint, saved_values, saved_sym_nodes=saved_sym, num_fwd_outputs=analysis.num_fwd_outputs
+    )
+    # Extraction copies every forward op whose inputs the backward has; the ones no
+    # gradient needs (a random op included) are dead and go.
+    bw.graph.eliminate_dead_code(is_impure_node=_keeps_when_dead)
+    bw.recompile()
+    if plan.solution.replayed:
+        fw, bw = torch_partitioners.functionalize_rng_ops(joint, fw, bw, len(saved_sym))
+        for n in bw.graph.nodes:
+            if n.target is torch._prims.rng_prims.run_with_rng_state:
+                n.meta[FORWARD_TAG] = True
+    bw = torch_partitioners.reordering_to_mimic_autograd_engine(bw)
+    return fw, bw
+
+
+def _keeps_when_dead(node: fx.Node) -> bool:
+    if node.op in ("placeholder", "output"):
+        return True
+    return node.is_impure(impure_random=False) and not is_collective(node)
+
+
+def remat_partition(
+    options: RematOptions,
+    *,
+    state_indices: Sequence[int] | None = None,
+    on_partition: Callable[[JointAnalysis, RematPlan, fx.GraphModule, fx.GraphModule], None] | None = None,
+) -> Callable:
+    """A ``partition_fn`` for AOTAutograd applying ``options``.
+
+    ``state_indices``: which joint inputs are parameters/buffers (default: the
+    ``static_lifetime_input_indices`` AOTAutograd passes). ``on_partition`` is called
+    with the analysis, the plan and the two graphs (measurement hooks in here)."""
+
+    def partition(joint_module: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
+        indices = state_indices if state_indices is not None else kwargs.get("static_lifetime_input_indices") or []
+        joint_module.graph.eliminate_dead_code(is_impure_node=_keeps_when_dead)
+        joint_module.recompile()
+        analysis = analyze_joint(joint_module, num_fwd_outputs=num_fwd_outputs, state_indices=indices)
+        plan = plan_remat(analysis, options)
+        fw, bw = apply_plan(analysis, plan)
+        if on_partition is not None:
+            on_partition(analysis, plan, fw, bw)
+        return fw, bw
+
+    return partition
+
+
+def tag_forward(joint: fx.GraphModule, *, num_fwd_outputs: int) -> None:
+    """Mark the forward nodes of ``joint`` (for counting recomputation done by other partitioners)."""
+    info = torch_partitioners.classify_nodes(joint, [], num_fwd_outputs)
+    for n in info.required_fw_nodes:
+        n.meta[FORWARD_TAG] = True
+
