@@ -144,3 +144,8 @@ def test_tables_print_as_plain_text_without_rich(monkeypatch, capsys):
     monkeypatch.setattr(builtins, "__import__", no_rich)
     print_table(TextTable(title="t", columns=("op", "FLOPs"), rows=(("fc1", "12"), ("fc2", "3")), notes=("n",)))
     assert capsys.readouterr().out.splitlines() == ["t", "op   FLOPs", "fc1     12", "fc2      3", "n"]
+
+
+def test_plot_into_a_missing_folder_says_so(capsys, tmp_path):
+    code, _, err = run(["plan", "--scenario", "deepseek-v3-chapter", "--plot", str(tmp_path / "no" / "x.png")], capsys)
+    assert code == 2 and "existing, writable folder" in err

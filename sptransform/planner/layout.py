@@ -85,13 +85,13 @@ def layout_problem(shape: ModelShape, layout: Layout, *, cluster: Cluster, workl
             f"seq_len={workload.seq_len} is longer than the {shape.seq_len} learned positions of "
             f"{shape.name!r}; use seq_len <= {shape.seq_len}"
         )
-    return _schedule_problem(shape, layout, workload=workload)
+    return _schedule_problem(shape, layout, workload=workload, max_stages=cluster.num_gpus // layout.tp)
 
 
-def _schedule_problem(shape: ModelShape, layout: Layout, *, workload: Workload) -> str | None:
+def _schedule_problem(shape: ModelShape, layout: Layout, *, workload: Workload, max_stages: int) -> str | None:
     chunks = layout.pp * layout.interleave
     if shape.num_layers % chunks:
-        fitting = [p for p in divisors(shape.num_layers) if shape.num_layers % (p * layout.interleave) == 0]
+        fitting = [p for p in divisors(max_stages) if shape.num_layers % (p * layout.interleave) == 0]
         return (
             f"pp x interleave = {layout.pp} x {layout.interleave} = {chunks} does not divide "
             f"num_layers={shape.num_layers} of {shape.name!r} (every stage needs the same number of layers); "

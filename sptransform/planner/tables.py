@@ -30,7 +30,9 @@ def print_table(table: TextTable, *, file=None) -> None:
         rich_table.add_column(column, justify="right" if index >= table.right_aligned_from else "left")
     for row in table.rows:
         rich_table.add_row(*row)
-    console = Console(file=file, width=max(160, Console(file=file).width))
+    cell_widths = [max(len(cell) for cell in column) for column in zip(table.columns, *table.rows)]
+    needed = sum(cell_widths) + 3 * len(cell_widths) + 1  # rich's padding and borders: never wrap a cell
+    console = Console(file=file, width=max(needed, Console(file=file).width))
     console.print(table.title, highlight=False, soft_wrap=True)  # a title inside the table wraps to its width
     console.print(rich_table)
     for note in table.notes:
@@ -38,7 +40,7 @@ def print_table(table: TextTable, *, file=None) -> None:
 
 
 def _print_plain(table: TextTable, *, file) -> None:
-    widths = [max(len(str(cell)) for cell in column) for column in zip(table.columns, *table.rows)]
+    widths = [max(len(cell) for cell in column) for column in zip(table.columns, *table.rows)]
     print(table.title, file=file)
     for row in (table.columns, *table.rows):
         cells = [cell.rjust(w) if i >= table.right_aligned_from else cell.ljust(w)
@@ -73,5 +75,10 @@ def plot_stacked_bars(
     axes.set_title(title)
     axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     figure.tight_layout()
-    figure.savefig(path, dpi=120, bbox_inches="tight")  # keep the outside legend
-    plt.close(figure)
+    try:
+        figure.savefig(path, dpi=120, bbox_inches="tight")  # keep the outside legend
+    except OSError as error:
+        raise ValueError(f"cannot write --plot {path!r} ({error.strerror}); give a path in an existing, "
+                         "writable folder") from error
+    finally:
+        plt.close(figure)
