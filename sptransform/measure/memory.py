@@ -101,7 +101,8 @@ def memory_report(
 ) -> MemoryReport:
     placeholders = list(fw.graph.find_nodes(op="placeholder"))
     state = {placeholders[i] for i in state_indices if i < len(placeholders)}
-    regions = classify_regions(fw.graph, state=state)
+    forward_outputs = next(iter(fw.graph.find_nodes(op="output"))).args[0][:num_fwd_outputs]
+    regions = classify_regions(fw.graph, state=state, outputs=forward_outputs)
     saved, excluded, seen = [], 0, set()
     for node in saved_nodes(fw, num_fwd_outputs):
         root = storage_root(node)

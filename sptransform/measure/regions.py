@@ -217,8 +217,9 @@ def find_weight_matmuls(nodes: list[fx.Node], constant: set[fx.Node]) -> dict[fx
     return found
 
 
-def find_attention_cores(flow: _Dataflow, constant: set[fx.Node]) -> list[AttentionCore]:
-    """QK^T ... attention-over-V pairs (explicit softmax attention) and fused attention ops."""
+def find_attention_cores(flow: _Dataflow, constant: set[fx.Node]) -> list[tuple[fx.Node | None, fx.Node, set]]:
+    """(scores, values, internals) of each QK^T ... attention-over-V pair (explicit softmax
+    attention) and of each fused attention op (scores ``None``)."""
     matmul_mask = flow.mask(n for n in flow.nodes if is_matmul(n))
     act_act = [
         n
@@ -235,15 +236,13 @@ def find_attention_cores(flow: _Dataflow, constant: set[fx.Node]) -> list[Attent
             between = flow.desc[scores] & flow.anc[values]
             if between & matmul_mask:
                 continue
-            internals = flow.members(between) + [scores, values]
-            cores.append(AttentionCore(values=values, scores=scores, internals=frozenset(internals)))
+            cores.append((scores, values, set(flow.members(between)) | {scores, values}))
             used.update((scores, values))
             break
     for n in flow.nodes:
         if is_fused_attention(n):
-            outs = [u for u in n.users if u.target is operator.getitem]
-            cores.append(AttentionCore(values=n, scores=None, internals=frozenset([n, *outs])))
-    return sorted(cores, key=lambda c: flow.index[c.values])
+            cores.append((None, n, {n}))
+    return sorted(cores, key=lambda c: flow.index[c[1]])
 
 
 def find_sublayers(flow: _Dataflow, constant: set[fx.Node], weight_mask: int) -> list[tuple[fx.Node, fx.Node, int]]:
@@ -270,11 +269,27 @@ def find_sublayers(flow: _Dataflow, constant: set[fx.Node], weight_mask: int) ->
     return found
 
 
-def _attach_dead_ends(flow: _Dataflow, owner: dict[fx.Node, object]) -> None:
-    """Forward nodes only the backward reads (norm statistics, masks, detached outputs)
-    belong with the node they come from."""
+def _attach_unowned(flow: _Dataflow, owner: dict[fx.Node, int], constant: set[fx.Node], required: set[fx.Node]) -> None:
+    """Give unowned nodes an owner from their neighbours.
+
+    Feeders first (in reverse order): a random value that does not depend on the
+    inputs (a dropout mask drawn from its shape alone) joins the owner of all its
+    users. Then what the forward outputs do not need (norm statistics, masks,
+    detached outputs: values only the backward reads) joins the owner of the node
+    it comes from."""
+    from_inputs: set[fx.Node] = set()
     for n in flow.nodes:
-        if n in owner or any(u in flow.index for u in n.users):
+        if (n.op == "placeholder" and n not in constant) or any(p in from_inputs for p in n.all_input_nodes):
+            from_inputs.add(n)
+    for n in reversed(flow.nodes):
+        users = [u for u in n.users if u in required]
+        if n in owner or n in constant or n in from_inputs or n.op != "call_function" or not users:
+            continue
+        owners = {owner.get(u) for u in users}
+        if len(owners) == 1 and None not in owners:
+            owner[n] = owners.pop()
+    for n in flow.nodes:
+        if n in owner or n in required:
             continue
         for p in n.all_input_nodes:
             if p in owner:
@@ -295,28 +310,38 @@ def _is_random_item(node: fx.Node) -> bool:
 
 
 def classify_regions(
-    graph: fx.Graph, *, state: Iterable[fx.Node], ignore: Iterable[fx.Node] = ()
+    graph: fx.Graph, *, state: Iterable[fx.Node], outputs: Iterable[fx.Node], ignore: Iterable[fx.Node] = ()
 ) -> GraphRegions:
     """Label the forward nodes of ``graph``.
 
-    ``state``: the placeholders holding parameters and buffers. ``ignore``: nodes
-    to leave out (the backward part of a joint graph)."""
+    ``state``: the placeholders holding parameters and buffers. ``outputs``: what
+    the forward returns to the user (not what it saves for backward). ``ignore``:
+    nodes to leave out (the backward part of a joint graph)."""
     state, ignore = set(state), set(ignore)
     nodes = [n for n in graph.nodes if n.op != "output" and n not in ignore]
     flow = _Dataflow(nodes)
+    required = set()
+    for out in outputs:
+        if isinstance(out, fx.Node) and out in flow.index:
+            required |= set(flow.members(flow.anc[out])) | {out}
     constant = _constant_nodes(nodes, state)
     weight_matmuls = find_weight_matmuls(nodes, constant)
     weight_mask = flow.mask(weight_matmuls)
-    cores = find_attention_cores(flow, constant)
+    found_cores = find_attention_cores(flow, constant)
+    core_index = {n: i for i, (_, _, internals) in enumerate(found_cores) for n in internals}
+    _attach_unowned(flow, core_index, constant, required)
+    cores = [
+        AttentionCore(values=values, scores=scores, internals=frozenset(n for n, j in core_index.items() if j == i))
+        for i, (scores, values, _) in enumerate(found_cores)
+    ]
+    core_of = {n: cores[i] for n, i in core_index.items()}
 
     sublayer_of: dict[fx.Node, int] = {}
     raw = find_sublayers(flow, constant, weight_mask)
     for i, (_, _, body) in sorted(enumerate(raw), key=lambda item: -bin(item[1][2]).count("1")):
         for n in flow.members(body):  # smaller bodies are visited last and win
             sublayer_of[n] = i
-    core_of = {n: core for core in cores for n in core.internals}
-    _attach_dead_ends(flow, core_of)
-    _attach_dead_ends(flow, sublayer_of)
+    _attach_unowned(flow, sublayer_of, constant, required)
 
     sublayers, layer_of_sublayer, layer = [], [], -1
     for i, (skip, residual, _) in enumerate(raw):

@@ -68,6 +68,7 @@ from sptransform.measure.tensors import (
 )
 
 log = logging.getLogger(__name__)
+aten = torch.ops.aten
 
 RematPolicy = Literal["none", "selective", "full", "norm_upproj", "budget"]
 POLICIES: tuple[RematPolicy, ...] = ("none", "selective", "full", "norm_upproj", "budget")
@@ -147,7 +148,7 @@ def analyze_joint(
     bwd_outputs = {o for o in outputs[num_fwd_outputs:] if isinstance(o, fx.Node)}
     forward_set = set(forward)
     needed = {n for n in forward if any(u in backward for u in n.users) or n in bwd_outputs}
-    regions = classify_regions(joint.graph, state=state, ignore=backward)
+    regions = classify_regions(joint.graph, state=state, outputs=outputs[:num_fwd_outputs], ignore=backward)
     required_fw = {n for n in info.required_fw_nodes if n in forward_set}
     save_bytes, cost, free, unsaveable = {}, {}, set(), set()
     for n in forward:
@@ -227,6 +228,8 @@ def policy_constraints(analysis: JointAnalysis, options: RematOptions) -> Constr
     wanted -= out.banned
     wanted -= {u for n in kept for u in n.users if u.target is operator.getitem}  # a kept op's outputs are saved
     out.must_recompute |= wanted
+    # saving a view would keep the storage alive all the same
+    out.must_recompute |= {n for n in analysis.forward if is_view(n) and storage_root(n) in out.must_recompute}
     out.banned |= {n for n in analysis.forward if n not in out.must_recompute and n not in analysis.free}
     out.banned -= out.must_recompute
     return out
@@ -491,6 +494,49 @@ def _keeps_when_dead(node: fx.Node) -> bool:
     return node.is_impure(impure_random=False) and not is_collective(node)
 
 
+def isolate_dropout_masks(joint: fx.GraphModule) -> int:
+    """Make each dropout draw its mask from the shape alone, so replaying it needs no activation.
+
+        before:  out, mask = native_dropout(x, p, True)
+        after:   noise, mask = native_dropout(ones_like(x), p, True);  out = x * noise
+
+    ``noise`` is ``mask * 1/(1-p)`` in x's dtype, exactly what ``native_dropout``
+    multiplies x by (bitwise equal output, the same RNG draws); the backward keeps
+    using ``mask``. Edits ``joint`` in place; returns the number of dropouts rewritten."""
+    graph, count = joint.graph, 0
+    for node in list(graph.nodes):
+        if node.target is not aten.native_dropout.default:
+            continue
+        x, p, train = (list(node.args) + [None])[:3]
+        x_val = val(x)
+        if not train or not 0 < p < 1 or not isinstance(x_val, torch.Tensor):
+            continue
+        items = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+        with graph.inserting_before(node):
+            ones = graph.call_function(
+                aten.full.default, (list(x_val.shape), 1.0),
+                {"dtype": x_val.dtype, "layout": torch.strided, "device": x_val.device, "pin_memory": False},
+            )
+            ones.meta["val"] = x_val
+            drawn = graph.call_function(aten.native_dropout.default, (ones, p, train))
+            drawn.meta["val"] = node.meta["val"]
+            noise = graph.call_function(operator.getitem, (drawn, 0))
+            noise.meta["val"] = node.meta["val"][0]
+            mask = graph.call_function(operator.getitem, (drawn, 1))
+            mask.meta["val"] = node.meta["val"][1]
+            out = graph.call_function(aten.mul.Tensor, (x, noise))
+            out.meta["val"] = node.meta["val"][0]
+        for index, replacement in ((0, out), (1, mask)):
+            if index in items:
+                items[index].replace_all_uses_with(replacement)
+                graph.erase_node(items[index])
+        graph.erase_node(node)
+        count += 1
+    if count:
+        joint.recompile()
+    return count
+
+
 def remat_partition(
     options: RematOptions,
     *,
@@ -506,6 +552,8 @@ def remat_partition(
     def partition(joint_module: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
         indices = state_indices if state_indices is not None else kwargs.get("static_lifetime_input_indices") or []
         joint_module.graph.eliminate_dead_code(is_impure_node=_keeps_when_dead)
+        if options.replay_rng:
+            isolate_dropout_masks(joint_module)
         joint_module.recompile()
         analysis = analyze_joint(joint_module, num_fwd_outputs=num_fwd_outputs, state_indices=indices)
         plan = plan_remat(analysis, options)
