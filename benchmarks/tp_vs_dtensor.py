@@ -1,0 +1,604 @@
+"""sptransform against a hand-written ``torch.distributed.tensor.parallel`` plan, on HF GPT-2.
+
+One invocation spawns ``--tp`` ranks (gloo, CPU) and, in the same process tree, trains
+the same HF GPT-2 (dropout 0, so losses are comparable) four ways:
+
+* sptransform ``parallelize(model, tp, sp=True)`` and ``sp=False``, on the unmodified model;
+* DTensor ``parallelize_module`` with a torchtitan-style plan (ColwiseParallel /
+  RowwiseParallel / SequenceParallel / PrepareModuleInput), with and without sequence
+  parallelism. ``ColwiseParallel`` does not accept GPT-2's ``Conv1D``, and a contiguous
+  column split of the fused ``c_attn`` would hand rank 0 all of Q and half of K, so this
+  side runs an edited copy: every ``Conv1D`` becomes an ``nn.Linear`` (transposed weight),
+  ``c_attn`` becomes three Linears (q, k, v) concatenated, and after sharding each
+  attention's ``split_size`` is set to ``hidden / tp``. The edit is numerically the same
+  model (its single-device loss is printed beside the original's).
+
+Per side: first-step loss (and the single-device loss), loss after the timed steps,
+median AdamW step time after warm-up, and collectives per step (count and bytes of the
+full tensor: all-reduce input, all-gather output, reduce-scatter input), counted the same
+way on both sides by a dispatch mode that sees every c10d / functional collective issued
+during one training step, split into forward / backward / optimizer. For sptransform the
+counts read from its graph (``sptransform.explain.collective_counts``) are printed too.
+
+    python benchmarks/tp_vs_dtensor.py [--layers 4 --hidden 256 --heads 8 --vocab 8192
+        --seq 256 --batch 4 --steps 5 --warmup 2] [--json out.json]
+
+The launcher, the collective counter, the timing loop and the table are shared with
+``tp_vs_hf_auto.py``, which imports them from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run from a checkout without installing sptransform
+    sys.path.insert(0, ROOT)
+
+TIMEOUT = datetime.timedelta(seconds=120)
+
+# ---------------------------------------------------------------------------
+# Launching: one process per rank, results back through a JSON file of rank 0.
+# ---------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(worker: Callable[[argparse.Namespace], dict], args: argparse.Namespace) -> dict:
+    """Run ``worker(args)`` on ``args.tp`` spawned ranks; return what rank 0 returned."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path = os.path.join(tmp, "result.json")
+        mp.spawn(_rank_main, args=(worker, args, free_port(), result_path), nprocs=args.tp, join=True)
+        with open(result_path) as f:
+            return json.load(f)
+
+
+def _rank_main(rank: int, worker, args: argparse.Namespace, port: int, result_path: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(args.tp), LOCAL_WORLD_SIZE=str(args.tp),
+    )
+    torch.set_num_threads(args.threads)
+    quiet()
+    dist.init_process_group("gloo", rank=rank, world_size=args.tp, timeout=TIMEOUT)
+    try:
+        result = worker(args)
+        if rank == 0:
+            with open(result_path, "w") as f:
+                json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def quiet() -> None:
+    """Deprecation notices of funcol, CommDebugMode's hook notices, transformers' config chatter."""
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*backward hook.*")
+    warnings.filterwarnings("ignore", message=".*Full backward hook.*")
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+def log(msg: str) -> None:
+    if dist.get_rank() == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------
+# Counting collectives the same way for every side.
+# ---------------------------------------------------------------------------
+
+_KIND = {
+    # functional collectives (DTensor, sptransform)
+    "all_reduce": "all-reduce", "all_reduce_coalesced": "all-reduce",
+    "all_gather_into_tensor": "all-gather", "all_gather_into_tensor_coalesced": "all-gather",
+    "reduce_scatter_tensor": "reduce-scatter", "reduce_scatter_tensor_coalesced": "reduce-scatter",
+    "all_to_all_single": "all-to-all", "broadcast": "broadcast",
+    # c10d process-group ops (torch.distributed.all_reduce & co)
+    "allreduce_": "all-reduce", "allreduce_coalesced_": "all-reduce",
+    "allgather_": "all-gather", "_allgather_base_": "all-gather", "allgather_into_tensor_coalesced_": "all-gather",
+    "reduce_scatter_": "reduce-scatter", "_reduce_scatter_base_": "reduce-scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce-scatter",
+    "alltoall_": "all-to-all", "alltoall_base_": "all-to-all", "broadcast_": "broadcast",
+}
+PHASES = ("forward", "backward", "optimizer")
+
+
+def _tensor_bytes(x: Any) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_tensor_bytes(t) for t in x)
+    return 0
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts collectives at the dispatcher, by phase and kind, with bytes of the full tensor.
+
+    DTensor ops are let through (``NotImplemented``) so that DTensor desugars them into the
+    collectives this mode then sees, as ``CommDebugMode`` does."""
+
+    def __init__(self):
+        super().__init__()
+        self.phase = PHASES[0]
+        self.calls: list[tuple[str, str, int]] = []  # (phase, kind, bytes)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
+        from torch.distributed.tensor import DTensor
+
+        if any(t is DTensor or issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        if func.namespace in ("_c10d_functional", "c10d_functional", "c10d"):
+            kind = _KIND.get(func._overloadpacket.__name__)
+            if kind is not None:
+                nbytes = _tensor_bytes(args[0])
+                if kind == "all-gather" and func.namespace != "c10d":
+                    nbytes *= int(args[1])  # functional all-gather: input is the shard
+                elif kind == "all-gather":
+                    nbytes = _tensor_bytes(args[0])  # c10d all-gather: output buffer(s)
+                self.calls.append((self.phase, kind, nbytes))
+        return func(*args, **kwargs)
+
+    def summary(self) -> dict:
+        out: dict[str, dict[str, dict[str, int]]] = {}
+        for phase, kind, nbytes in self.calls:
+            entry = out.setdefault(phase, {}).setdefault(kind, {"count": 0, "bytes": 0})
+            entry["count"] += 1
+            entry["bytes"] += nbytes
+        total = {"count": len(self.calls), "bytes": sum(b for _, _, b in self.calls)}
+        return {"by_phase": out, "total": total}
+
+
+# ---------------------------------------------------------------------------
+# Training loop: warm-up, one counted step, timed steps.
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Side:
+    name: str
+    model: nn.Module
+    loss_fn: Callable[[nn.Module], torch.Tensor]
+    """Forward of one batch; returns the loss (plain tensor or DTensor)."""
+    context: Callable[[], Any] = contextlib.nullcontext
+    """Entered around forward and backward (DTensor's ``loss_parallel``)."""
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def scalar(loss: torch.Tensor) -> float:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(loss, DTensor):
+        loss = loss.full_tensor()
+    return float(loss.detach())
+
+
+def train(side: Side, *, steps: int, warmup: int, lr: float) -> dict:
+    """First loss, loss after all steps, median step time of ``steps`` timed steps
+    (after ``warmup`` steps and one step counted by ``CollectiveCounter``)."""
+    opt = torch.optim.AdamW(side.model.parameters(), lr=lr, foreach=False)
+    counter = CollectiveCounter()
+    comm_debug = CommDebugMode()
+
+    def step(mode: CollectiveCounter | None) -> float:
+        opt.zero_grad(set_to_none=True)
+        # torch's CommDebugMode counts the same step, as a cross-check of ours
+        with comm_debug if mode is not None else contextlib.nullcontext(), mode or contextlib.nullcontext():
+            with side.context():
+                loss = side.loss_fn(side.model)
+                if mode is not None:
+                    mode.phase = "backward"
+                loss.backward()
+            if mode is not None:
+                mode.phase = "optimizer"
+            opt.step()
+        return scalar(loss)
+
+    losses, times = [], []
+    for i in range(warmup + 1 + steps):
+        counted = i == warmup
+        dist.barrier()
+        start = time.perf_counter()
+        losses.append(step(counter if counted else None))
+        elapsed = time.perf_counter() - start
+        if i > warmup:
+            times.append(elapsed)
+    # rank 0 reports the slowest rank's median: a step is as slow as its slowest rank
+    median = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    dist.all_reduce(median, op=dist.ReduceOp.MAX)
+    return {
+        "side": side.name,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "step_s": float(median),
+        "collectives": counter.summary(),
+        "comm_debug_mode_total": comm_debug.get_total_counts(),
+        "note": side.note,
+        **side.extra,
+    }
+
+
+def run_side(make: Callable[[], Side], *, steps: int, warmup: int, lr: float) -> dict:
+    """Build and train one side; a failure (same on every rank) becomes a row with its reason."""
+    name = getattr(make, "side_name", make.__name__)
+    start = time.perf_counter()
+    try:
+        side = make()
+        name = side.name
+        built = time.perf_counter() - start
+        result = train(side, steps=steps, warmup=warmup, lr=lr)
+        result["setup_s"] = built
+    except Exception as err:  # report, don't hang: the other ranks raise the same
+        log(traceback.format_exc())
+        result = {"side": name, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"}
+    log(f"[{name}] done in {time.perf_counter() - start:.1f}s")
+    dist.barrier()
+    return result
+
+
+def sptransform_graph_counts(pm, tp: int) -> dict:
+    """Collectives per step as sptransform's own graph states them (count and bytes)."""
+    from sptransform.collectives import sync_grads
+    from sptransform.explain import _FORWARD_BACKWARD, collective_bytes, collective_counts, collective_nodes
+
+    gm = pm._last.gm
+    nbytes = 0
+    for node in collective_nodes(gm):
+        directions = sum(1 for d in _FORWARD_BACKWARD[node.target] if d != "-")
+        nbytes += directions * collective_bytes(node, tp)
+    buckets = [n for n in collective_nodes(gm) if n.target is sync_grads]
+    return {
+        "counts": collective_counts(gm),
+        "bytes": nbytes,
+        "grad_buckets": len(buckets),
+        "grad_bucket_params": sum(len(n.args) - 1 for n in buckets),
+    }
+
+
+# ---------------------------------------------------------------------------
+# Report.
+# ---------------------------------------------------------------------------
+
+
+def _fmt_counts(by_kind: dict) -> str:
+    short = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS", "all-to-all": "A2A", "broadcast": "BC"}
+    return " ".join(f"{v['count']}{short.get(k, k)}" for k, v in sorted(by_kind.items())) or "-"
+
+
+def _merge_phases(by_phase: dict) -> dict:
+    merged: dict[str, dict[str, int]] = {}
+    for kinds in by_phase.values():
+        for kind, v in kinds.items():
+            m = merged.setdefault(kind, {"count": 0, "bytes": 0})
+            m["count"] += v["count"]
+            m["bytes"] += v["bytes"]
+    return merged
+
+
+def render_table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda r: "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    sep = "  ".join("-" * w for w in widths)
+    return "\n".join([line(header), sep, *(line(r) for r in rows)])
+
+
+def results_table(results: list[dict]) -> str:
+    header = ["side", "first loss", "last loss", "step s (median)", "collectives/step (fwd | bwd | opt)", "total", "MiB/step"]
+    rows = []
+    for r in results:
+        if "error" in r:
+            rows.append([r["side"], "failed", "-", "-", r["error"][:60], "-", "-"])
+            continue
+        c = r["collectives"]
+        phases = " | ".join(_fmt_counts(c["by_phase"].get(p, {})) for p in PHASES)
+        rows.append([
+            r["side"], f"{r['first_loss']:.6f}", f"{r['last_loss']:.6f}", f"{r['step_s']:.3f}",
+            phases, str(c["total"]["count"]), f"{c['total']['bytes'] / 2**20:.2f}",
+        ])
+    return render_table(rows, header)
+
+
+def ratio_lines(results: list[dict], pairs: list[tuple[str, str]]) -> list[str]:
+    by = {r["side"]: r for r in results}
+    out = []
+    for ours, theirs in pairs:
+        a, b = by.get(ours), by.get(theirs)
+        if not a or not b or "error" in a or "error" in b:
+            out.append(f"{ours} / {theirs}: n/a (a side failed)")
+            continue
+        ca, cb = a["collectives"]["total"], b["collectives"]["total"]
+        rel = abs(a["first_loss"] - b["first_loss"]) / max(abs(b["first_loss"]), 1e-12)
+        out.append(
+            f"{ours} / {theirs}: step time {a['step_s'] / b['step_s']:.2f}x, "
+            f"collectives {ca['count']}/{cb['count']} = {ca['count'] / max(cb['count'], 1):.2f}x, "
+            f"bytes {ca['bytes'] / max(cb['bytes'], 1):.2f}x, first-loss rel. diff {rel:.1e}"
+        )
+    return out
+
+
+def grad_sync_lines(results: list[dict]) -> list[str]:
+    """Gradient reductions of replicated parameters: sptransform's buckets vs DTensor's per-read."""
+    out = []
+    for r in results:
+        if "error" in r:
+            continue
+        c = r["collectives"]["by_phase"]
+        opt = _merge_phases({"optimizer": c.get("optimizer", {})})
+        if "graph" in r:
+            g = r["graph"]
+            out.append(
+                f"{r['side']}: {g['grad_buckets']} bucketed all-reduce(s) per step in backward for "
+                f"{g['grad_bucket_params']} replicated params (graph); optimizer step: "
+                f"{sum(v['count'] for v in opt.values())} collectives"
+            )
+        else:
+            n_opt = sum(v["count"] for v in opt.values())
+            out.append(
+                f"{r['side']}: {n_opt} collectives inside optimizer.step() "
+                f"(Partial gradients of replicated DTensor params reduced when read)"
+                + (f"; {r['replicated_params']} replicated DTensor params" if "replicated_params" in r else "")
+            )
+    return out
+
+
+def graph_lines(results: list[dict]) -> list[str]:
+    out = []
+    for r in results:
+        if "graph" in r:
+            g = r["graph"]
+            counts = ", ".join(f"{v} {k}" for k, v in sorted(g["counts"].items()))
+            counted = r["collectives"]["total"]["count"]
+            out.append(
+                f"{r['side']}: explain.collective_counts says {counts} = {sum(g['counts'].values())} "
+                f"({g['bytes'] / 2**20:.2f} MiB); counted at dispatch: {counted}"
+            )
+    checks = [f"{r['side']} {r['comm_debug_mode_total']}" for r in results if "comm_debug_mode_total" in r]
+    if checks:
+        out.append("CommDebugMode's total for the same step: " + ", ".join(checks))
+    return out
+
+
+def common_args(parser: argparse.ArgumentParser, **defaults) -> argparse.ArgumentParser:
+    d = dict(layers=4, hidden=256, heads=8, vocab=8192, seq=256, batch=4, steps=5, warmup=2)
+    d.update(defaults)
+    parser.add_argument("--tp", type=int, default=2, help="ranks (tensor-parallel degree)")
+    parser.add_argument("--layers", type=int, default=d["layers"])
+    parser.add_argument("--hidden", type=int, default=d["hidden"])
+    parser.add_argument("--heads", type=int, default=d["heads"])
+    parser.add_argument("--vocab", type=int, default=d["vocab"])
+    parser.add_argument("--seq", type=int, default=d["seq"])
+    parser.add_argument("--batch", type=int, default=d["batch"])
+    parser.add_argument("--steps", type=int, default=d["steps"], help="timed AdamW steps per side")
+    parser.add_argument("--warmup", type=int, default=d["warmup"], help="untimed steps before the counted step")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="torch threads per rank")
+    parser.add_argument("--json", metavar="FILE", help="write the numbers here")
+    return parser
+
+
+def batch(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(args.seed + 1)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
+    return ids, ids.clone()
+
+
+def finish(args: argparse.Namespace, title: str, result: dict, lines: list[str]) -> None:
+    print(title)
+    print(results_table(result["results"]))
+    for line in lines:
+        print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {args.json}")
+
+
+# ---------------------------------------------------------------------------
+# GPT-2: the model, its Linear edit for DTensor, and the DTensor plans.
+# ---------------------------------------------------------------------------
+
+
+def gpt2(args: argparse.Namespace) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=args.vocab, n_positions=max(args.seq, 64), n_embd=args.hidden, n_layer=args.layers,
+        n_head=args.heads, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa",
+    )
+    torch.manual_seed(args.seed)
+    return GPT2LMHeadModel(config).train()
+
+
+class FusedQKV(nn.Module):
+    """``c_attn`` as three Linears whose outputs are concatenated: the same function, but
+    each of q, k, v can be column-split on its own."""
+
+    def __init__(self, conv, hidden: int):
+        super().__init__()
+        w, b = conv.weight.detach(), conv.bias.detach()  # Conv1D: weight [in, out]
+        for i, name in enumerate("qkv"):
+            lin = nn.Linear(hidden, hidden)
+            lin.weight.data.copy_(w[:, i * hidden : (i + 1) * hidden].t())
+            lin.bias.data.copy_(b[i * hidden : (i + 1) * hidden])
+            self.add_module(name, lin)
+
+    def forward(self, x):
+        return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
+
+
+def linearize_gpt2(model: nn.Module) -> nn.Module:
+    """A copy of HF GPT-2 with every ``Conv1D`` an ``nn.Linear`` (and ``c_attn`` split into
+    q/k/v Linears): what ``ColwiseParallel``/``RowwiseParallel`` need."""
+    from transformers.pytorch_utils import Conv1D
+
+    model = copy.deepcopy(model)
+    hidden = model.config.n_embd
+    for block in model.transformer.h:
+        block.attn.c_attn = FusedQKV(block.attn.c_attn, hidden)
+        for parent, name in ((block.attn, "c_proj"), (block.mlp, "c_fc"), (block.mlp, "c_proj")):
+            conv = getattr(parent, name)
+            assert isinstance(conv, Conv1D)
+            lin = nn.Linear(conv.weight.shape[0], conv.weight.shape[1])
+            lin.weight.data.copy_(conv.weight.detach().t())
+            lin.bias.data.copy_(conv.bias.detach())
+            setattr(parent, name, lin)
+    model.lm_head.weight = model.transformer.wte.weight  # keep the tie
+    return model
+
+
+def dtensor_gpt2(model: nn.Module, tp: int, sp: bool) -> nn.Module:
+    """torchtitan-style plan on the Linear-edited GPT-2."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (tp,))
+    seq = Shard(1) if sp else Replicate()
+    plan: dict[str, Any] = {
+        # wte's output is sequence-sharded (reduce-scatter) with sp; DTensor outputs keep the
+        # global shape, so GPT2Model's position ids and causal mask stay right.
+        "transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq, use_local_output=not sp),
+        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+    }
+    if sp:
+        # positions must be a DTensor too (a plain + DTensor add fails)
+        plan["transformer.wpe"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq, use_local_output=False)
+        plan["transformer.ln_f"] = SequenceParallel()
+    for i in range(len(model.transformer.h)):
+        p = f"transformer.h.{i}."
+        for lin in ("attn.c_attn.q", "attn.c_attn.k", "attn.c_attn.v", "mlp.c_fc"):
+            plan[p + lin] = ColwiseParallel()
+        for lin in ("attn.c_proj", "mlp.c_proj"):
+            plan[p + lin] = RowwiseParallel(output_layouts=seq, use_local_output=not sp)
+        # One replicated DTensor input shared by q, k, v (and c_fc): their input gradients
+        # add up as a Partial DTensor and are reduced once, not once per Linear.
+        for sub in ("attn", "mlp"):
+            plan[p + sub] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+        if sp:
+            plan[p + "ln_1"] = SequenceParallel()
+            plan[p + "ln_2"] = SequenceParallel()
+    parallelize_module(model, mesh, plan)
+    model.lm_head.weight = model.transformer.wte.weight  # both Shard(0) over the vocab: re-tie
+    for block in model.transformer.h:
+        block.attn.split_size = model.config.n_embd // tp  # local q/k/v widths
+    return model
+
+
+def replicated_dtensor_params(model: nn.Module) -> int:
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return sum(
+        1 for p in model.parameters()
+        if isinstance(p, DTensor) and all(isinstance(pl, Replicate) for pl in p.placements)
+    )
+
+
+def single_device_loss(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> float:
+    with torch.no_grad():
+        return float(model(input_ids=ids, labels=labels, use_cache=False).loss)
+
+
+def dtensor_worker(args: argparse.Namespace) -> dict:
+    import sptransform
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    ids, labels = batch(args)
+    base = gpt2(args)
+    edited = linearize_gpt2(base)
+    reference = {"original": single_device_loss(base, ids, labels), "linear_edit": single_device_loss(edited, ids, labels)}
+    log(f"single device: {reference}")
+
+    def hf_loss(m):
+        return m(input_ids=ids, labels=labels, use_cache=False).loss
+
+    def ours(sp: bool):
+        def make() -> Side:
+            pm = sptransform.parallelize(
+                copy.deepcopy(base), tp=args.tp, sp=sp,
+                example_inputs={"input_ids": ids, "labels": labels, "use_cache": False},
+            )
+            return Side(f"sptransform sp={sp}", pm, hf_loss, note="unmodified HF GPT-2",
+                        extra={"graph": sptransform_graph_counts(pm, args.tp)})
+        make.side_name = f"sptransform sp={sp}"
+        return make
+
+    def theirs(sp: bool):
+        def make() -> Side:
+            model = dtensor_gpt2(copy.deepcopy(edited), args.tp, sp)
+            return Side(f"DTensor sp={sp}", model, hf_loss, context=loss_parallel,
+                        note="Conv1D->nn.Linear, c_attn->q/k/v, attn.split_size=hidden/tp",
+                        extra={"replicated_params": replicated_dtensor_params(model)})
+        make.side_name = f"DTensor sp={sp}"
+        return make
+
+    results = [
+        run_side(make, steps=args.steps, warmup=args.warmup, lr=args.lr)
+        for make in (ours(True), theirs(True), ours(False), theirs(False))
+    ]
+    return {"config": vars(args), "single_device_loss": reference, "results": results}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    result = launch(dtensor_worker, args)
+    ref = result["single_device_loss"]
+    lines = [
+        "",
+        f"single-device first loss: {ref['original']:.6f} (HF GPT-2 as is), {ref['linear_edit']:.6f} "
+        "(Conv1D->Linear edit the DTensor side needs)",
+        *ratio_lines(result["results"], [("sptransform sp=True", "DTensor sp=True"), ("sptransform sp=False", "DTensor sp=False")]),
+        "gradient sync of replicated params:",
+        *("  " + l for l in grad_sync_lines(result["results"])),
+        *graph_lines(result["results"]),
+        "model edit: DTensor's ColwiseParallel/RowwiseParallel need nn.Linear (not HF Conv1D) and a per-rank",
+        "  split of the fused c_attn; sptransform runs the unmodified HF GPT-2.",
+        f"total {time.perf_counter() - start:.0f}s",
+    ]
+    a = args
+    finish(args, f"HF GPT-2, {a.layers} layers, hidden {a.hidden}, {a.heads} heads, vocab {a.vocab}, seq {a.seq}, "
+                 f"batch {a.batch}, tp={a.tp} on CPU/gloo, {a.threads} thread(s)/rank, AdamW, median of {a.steps} steps",
+           result, lines)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""The side-by-side benchmarks run end to end at tiny sizes, and every side's first loss is
+the single-device loss (within 1e-4 relative)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--layers", "1", "--hidden", "64", "--heads", "4", "--vocab", "512", "--seq", "32", "--batch", "2",
+        "--steps", "2", "--warmup", "1"]
+
+
+def run_benchmark(script, extra, tmp_path):
+    out = tmp_path / "result.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", script), *TINY, *extra, "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=150,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def assert_same_losses(result, reference, expected_sides):
+    rows = {r["side"]: r for r in result["results"]}
+    assert set(rows) == expected_sides
+    failed = {name: r["error"] for name, r in rows.items() if "error" in r}
+    assert not failed, failed
+    for name, row in rows.items():
+        assert row["first_loss"] == pytest.approx(reference, rel=1e-4), name
+        assert row["step_s"] > 0 and row["collectives"]["total"]["count"] > 0, name
+    last = [r["last_loss"] for r in rows.values()]
+    assert max(last) - min(last) <= 1e-3 * abs(last[0]), last  # same training, not just the same start
+
+
+@pytest.mark.slow
+def test_sptransform_vs_dtensor_plan(tmp_path):
+    result, stdout = run_benchmark("tp_vs_dtensor.py", [], tmp_path)
+    reference = result["single_device_loss"]
+    assert reference["linear_edit"] == pytest.approx(reference["original"], rel=1e-5)
+    sides = {"sptransform sp=True", "DTensor sp=True", "sptransform sp=False", "DTensor sp=False"}
+    assert_same_losses(result, reference["original"], sides)
+    assert "sptransform sp=True / DTensor sp=True" in stdout
+    rows = {r["side"]: r for r in result["results"]}
+    # sptransform syncs replicated-parameter gradients in backward (one bucket per layer);
+    # DTensor reduces its Partial gradients when the optimizer reads them
+    assert rows["sptransform sp=True"]["graph"]["grad_buckets"] >= 1
+    assert "optimizer" not in rows["sptransform sp=True"]["collectives"]["by_phase"]
+    assert rows["DTensor sp=True"]["collectives"]["by_phase"]["optimizer"]["all-reduce"]["count"] > 0
+
+
+@pytest.mark.slow
+def test_sptransform_vs_transformers_tp_plan_auto(tmp_path):
+    result, stdout = run_benchmark("tp_vs_hf_auto.py", ["--kv-heads", "2", "--mlp", "172"], tmp_path)
+    sides = {"sptransform sp=True", "sptransform sp=False", 'transformers tp_plan="auto"'}
+    assert_same_losses(result, result["single_device_loss"], sides)
+    assert 'sptransform sp=False / transformers tp_plan="auto"' in stdout
