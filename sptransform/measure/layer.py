@@ -19,7 +19,8 @@ from sptransform.presets import ModelShape
 
 from .flops import FlopsReport
 from .memory import MemoryReport, element_size, paper_layer_bytes
-from .models import fake_model
+from .models import ShapeModel, fake_model
+from .parallel import rank_graph
 from .partitioned import Partitioned, partition_module
 
 
@@ -67,14 +68,30 @@ def measure_shape(
 ) -> Measurement:
     """Trace ``num_layers`` layers of ``shape`` under fake tensors and measure one rank."""
     seq = seq or shape.seq_len
-    if tp != 1 or sp:
-        raise NotImplementedError(
-            f"tp={tp}, sp={sp} needs sptransform.parallelize to build the per-rank graph; "
-            "this checkout does not have it yet, so only tp=1 without --sp can be measured"
-        )
-    model, inputs = fake_model(shape, seq=seq, batch=batch, dtype=dtype, num_layers=num_layers)
-    partitioned = partition_module(model, inputs, options=options)
+    if sp and tp == 1:
+        raise ValueError("sp=True needs tp > 1 (sequence parallelism splits over the tensor-parallel ranks)")
+    if tp == 1:
+        model, inputs = fake_model(shape, seq=seq, batch=batch, dtype=dtype, num_layers=num_layers)
+        partitioned = partition_module(model, inputs, options=options)
+    else:
+        with torch.device("meta"):
+            model = ShapeModel(shape, seq=seq, num_layers=num_layers).to(dtype)
+        idx = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+        graph = rank_graph(model, (idx, idx), tp=tp, sp=sp)
+        partitioned = partition_module(graph.gm, graph.inputs, options=options, state_inputs=graph.state_inputs)
     return Measurement(
         shape=shape, seq=seq, batch=batch, dtype=dtype, tp=tp, sp=sp, options=options,
         memory=partitioned.memory(), flops=partitioned.flops(), partitioned=partitioned,
     )
+
+
+def layer_flops(measured: Measurement) -> FlopsReport:
+    """FLOPs of one layer: ``measured``'s graphs minus those of the same model with one layer fewer."""
+    if measured.memory.num_layers < 2:
+        raise ValueError("layer_flops needs a measurement of at least two layers (num_layers=2)")
+    fewer = measure_shape(
+        measured.shape, options=measured.options, seq=measured.seq, batch=measured.batch, dtype=measured.dtype,
+        tp=measured.tp, sp=measured.sp, num_layers=measured.memory.num_layers - 1,
+    )
+    a, b = measured.flops, fewer.flops
+    return FlopsReport(model=a.model - b.model, hardware=a.hardware - b.hardware, recomputed=a.recomputed - b.recomputed)

@@ -126,12 +126,18 @@ def memory_report(
 
 
 def _is_rng_state(node: fx.Node) -> bool:
+    """A generator state the forward saves so the backward can replay a dropout."""
+    if node.op == "call_function" and node.target.__name__ == "generator_state":
+        return True
     parent = node.args[0] if node.target is operator.getitem else None
     return isinstance(parent, fx.Node) and parent.target is torch._prims.rng_prims.run_and_save_rng_state
 
 
 def _layer_of_rng(node: fx.Node, regions) -> int | None:
-    return regions.layer.get(node.args[0])
+    if node.target is operator.getitem:
+        return regions.layer.get(node.args[0])
+    draw = next(iter(node.users), None)  # the random op right after the saved state
+    return regions.layer.get(node.next) if draw is not None else None
 
 
 def backward_peak(bw: fx.GraphModule, *, fw_roots: dict, state: set, num_primals: int,
@@ -183,10 +189,13 @@ def paper_layer_bytes(
     policy: str = "none",
     element_size: int = 2,
 ) -> dict[str, float] | None:
-    """Korthikanti et al. Table 2 for one layer, by region; ``None`` for policies the paper has no row for.
+    """Korthikanti et al. Table 2 for one layer, by region; ``None`` for policies the paper has
+    no row for and for layers other than the paper's (``is_paper_layer``).
 
     Rows: no parallelism (tp=1), tensor parallel, tensor+sequence parallel, each with
     ``none`` or ``selective``, and ``full`` (the layer input only, 2sbh whatever t)."""
+    if not is_paper_layer(shape):
+        return None
     s, b, h, a, t, e = seq, batch, shape.hidden, shape.num_heads, tp, element_size
     sbh, as2b = s * b * h, a * s * s * b
     split = t if sp else 1  # what SP also divides: norms, residual dropouts, projection inputs
@@ -203,6 +212,12 @@ def paper_layer_bytes(
         out["attention_internals"] = 2 * e * as2b / t
         out["dropout_masks"] += as2b / t
     return out
+
+
+def is_paper_layer(shape: ModelShape) -> bool:
+    """The layer the paper counts: explicit softmax attention with dropout, LayerNorm, GELU MLP of 4h."""
+    return (shape.attention == "explicit" and shape.norm == "layernorm" and shape.activation == "gelu"
+            and shape.ffn == 4 * shape.hidden and shape.kv_heads == shape.num_heads and shape.dropout > 0)
 
 
 def paper_row_name(tp: int, sp: bool, policy: str) -> str:

@@ -125,7 +125,19 @@ class ShapeModel(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.norm(x))  # [b, s, v]
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def fake_copy(module: nn.Module, *, dtype: torch.dtype | None = None) -> tuple[nn.Module, FakeTensorMode]:
+    """A deep copy of ``module`` (e.g. built on the meta device) whose parameters and buffers are
+    fake tensors, floating ones in ``dtype``; and the fake mode to make its inputs in."""
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    memo: dict[int, torch.Tensor] = {}
+    with fake_mode:
+        for t in [*module.parameters(), *module.buffers()]:
+            fake = torch.empty(t.shape, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
+            memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
+    return copy.deepcopy(module, memo).train(module.training), fake_mode
 
 
 def fake_model(
@@ -136,12 +148,8 @@ def fake_model(
         raise ValueError(f"seq={seq} is longer than {shape.name}'s {shape.seq_len} learned positions")
     with torch.device("meta"):
         template = ShapeModel(shape, seq=seq, num_layers=num_layers)
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-    memo: dict[int, torch.Tensor] = {}
+    model, fake_mode = fake_copy(template, dtype=dtype)
     with fake_mode:
-        for t in [*template.parameters(), *template.buffers()]:
-            fake = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype)
-            memo[id(t)] = nn.Parameter(fake) if isinstance(t, nn.Parameter) else fake
         idx = torch.zeros(batch, seq, dtype=torch.long)
         targets = torch.zeros(batch, seq, dtype=torch.long)
-    return copy.deepcopy(template, memo).train(), (idx, targets)
+    return model, (idx, targets)

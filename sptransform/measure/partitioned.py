@@ -35,6 +35,8 @@ class Partitioned:
     analysis: JointAnalysis | None = None
     plan: RematPlan | None = None
     """``None`` when a torch partitioner made the split."""
+    compiled: Callable | None = None
+    """Runs the partitioned graphs (with autograd) on real inputs: ``compiled(*inputs)``."""
 
     def memory(self) -> MemoryReport:
         notes = self.plan.notes if self.plan is not None else []
@@ -82,17 +84,22 @@ def partition_module(
     torch_partitioner: str | None = None,
     select_output: Callable | None = None,
     activation_memory_budget: float | None = None,
+    state_inputs: Sequence[int] = (),
 ) -> Partitioned:
     """Partition ``module(*example_inputs)``'s joint graph and return the graphs.
 
     Exactly one of ``options`` (sptransform's pass) or ``torch_partitioner`` (one of
     ``TORCH_PARTITIONERS``, for comparison; ``activation_memory_budget`` sets torch's
     knapsack budget for ``"torch-mincut"``). ``select_output`` picks what to
-    differentiate from the module's output (e.g. the loss of ``(logits, loss)``)."""
+    differentiate from the module's output (e.g. the loss of ``(logits, loss)``).
+    ``state_inputs``: positions in ``example_inputs`` that hold parameters or buffers
+    (a captured graph takes its state as inputs); the module's own parameters and
+    buffers always count as state."""
     if (options is None) == (torch_partitioner is None):
         raise ValueError("pass exactly one of options= (sptransform) or torch_partitioner=")
     wrapped = _TupleOutput(module, select_output)
-    state_indices = list(range(state_count(wrapped)))
+    own = state_count(wrapped)  # AOTAutograd lifts these in front of the inputs
+    state_indices = list(range(own)) + [own + i for i in state_inputs]
     captured: dict = {}
 
     def keep(analysis, plan, fw, bw):
@@ -109,7 +116,7 @@ def partition_module(
         captured.update(forward=fw, backward=bw)
         return fw, bw
 
-    aot_module_simplified(
+    compiled = aot_module_simplified(
         wrapped, list(example_inputs), fw_compiler=_keep_graph, bw_compiler=_keep_graph, partition_fn=partition,
     )
     if "backward" not in captured:
@@ -122,6 +129,7 @@ def partition_module(
         state_indices=state_indices,
         analysis=captured.get("analysis"),
         plan=captured.get("plan"),
+        compiled=compiled,
     )
 
 

@@ -104,6 +104,8 @@ class GraphRegions:
     """Layer inputs, and the last layer's output: what full recomputation keeps."""
     constant: set[fx.Node]
     """Nodes computed from parameters, buffers and constants only."""
+    random_sourced: set[fx.Node] = field(default_factory=set)
+    """Nodes computed from random draws and constants only (a dropout's mask and scaling)."""
     num_layers: int = 0
     state: set[fx.Node] = field(default_factory=set)
 
@@ -269,7 +271,9 @@ def find_sublayers(flow: _Dataflow, constant: set[fx.Node], weight_mask: int) ->
     return found
 
 
-def _attach_unowned(flow: _Dataflow, owner: dict[fx.Node, int], constant: set[fx.Node], required: set[fx.Node]) -> None:
+def _attach_unowned(
+    flow: _Dataflow, owner: dict[fx.Node, int], constant: set[fx.Node], from_inputs: set[fx.Node], required: set[fx.Node]
+) -> None:
     """Give unowned nodes an owner from their neighbours.
 
     Feeders first (in reverse order): a random value that does not depend on the
@@ -277,10 +281,6 @@ def _attach_unowned(flow: _Dataflow, owner: dict[fx.Node, int], constant: set[fx
     users. Then what the forward outputs do not need (norm statistics, masks,
     detached outputs: values only the backward reads) joins the owner of the node
     it comes from."""
-    from_inputs: set[fx.Node] = set()
-    for n in flow.nodes:
-        if (n.op == "placeholder" and n not in constant) or any(p in from_inputs for p in n.all_input_nodes):
-            from_inputs.add(n)
     for n in reversed(flow.nodes):
         users = [u for u in n.users if u in required]
         if n in owner or n in constant or n in from_inputs or n.op != "call_function" or not users:
@@ -297,16 +297,24 @@ def _attach_unowned(flow: _Dataflow, owner: dict[fx.Node, int], constant: set[fx
                 break
 
 
-def _is_mask(node: fx.Node) -> bool:
+def _from_inputs(flow: _Dataflow, constant: set[fx.Node]) -> set[fx.Node]:
+    """Nodes that depend on a non-state input (the rest are constants or drawn at random)."""
+    found: set[fx.Node] = set()
+    for n in flow.nodes:
+        if (n.op == "placeholder" and n not in constant) or any(p in found for p in n.all_input_nodes):
+            found.add(n)
+    return found
+
+
+def _is_mask(node: fx.Node, constant: set[fx.Node], from_inputs: set[fx.Node]) -> bool:
+    """A dropout mask: drawn at random and scaled, never touching an activation; or the
+    1-byte mask output of a fused dropout op."""
+    if node.op == "call_function" and node not in constant and node not in from_inputs:
+        return True  # random_sourced
     value = tensor_val(node)
-    if value is None or value.dtype is not torch.bool:
+    if value is None or value.dtype is not torch.bool or node.target is not operator.getitem:
         return False
-    sources = [node.args[0]] if node.target is operator.getitem else node.all_input_nodes
-    return is_random(node) or any(isinstance(s, fx.Node) and (is_random(s) or _is_random_item(s)) for s in sources)
-
-
-def _is_random_item(node: fx.Node) -> bool:
-    return node.target is operator.getitem and isinstance(node.args[0], fx.Node) and is_random(node.args[0])
+    return isinstance(node.args[0], fx.Node) and is_random(node.args[0])
 
 
 def classify_regions(
@@ -320,16 +328,17 @@ def classify_regions(
     state, ignore = set(state), set(ignore)
     nodes = [n for n in graph.nodes if n.op != "output" and n not in ignore]
     flow = _Dataflow(nodes)
+    constant = _constant_nodes(nodes, state)
+    from_inputs = _from_inputs(flow, constant)
     required = set()
     for out in outputs:
         if isinstance(out, fx.Node) and out in flow.index:
             required |= set(flow.members(flow.anc[out])) | {out}
-    constant = _constant_nodes(nodes, state)
     weight_matmuls = find_weight_matmuls(nodes, constant)
     weight_mask = flow.mask(weight_matmuls)
     found_cores = find_attention_cores(flow, constant)
     core_index = {n: i for i, (_, _, internals) in enumerate(found_cores) for n in internals}
-    _attach_unowned(flow, core_index, constant, required)
+    _attach_unowned(flow, core_index, constant, from_inputs, required)
     cores = [
         AttentionCore(values=values, scores=scores, internals=frozenset(n for n, j in core_index.items() if j == i))
         for i, (scores, values, _) in enumerate(found_cores)
@@ -341,7 +350,7 @@ def classify_regions(
     for i, (_, _, body) in sorted(enumerate(raw), key=lambda item: -bin(item[1][2]).count("1")):
         for n in flow.members(body):  # smaller bodies are visited last and win
             sublayer_of[n] = i
-    _attach_unowned(flow, sublayer_of, constant, required)
+    _attach_unowned(flow, sublayer_of, constant, from_inputs, required)
 
     sublayers, layer_of_sublayer, layer = [], [], -1
     for i, (skip, residual, _) in enumerate(raw):
@@ -379,7 +388,7 @@ def classify_regions(
             region[n] = "constants"
         elif is_collective(n):
             region[n] = "collectives"
-        elif _is_mask(n):
+        elif _is_mask(n, constant, from_inputs):
             region[n] = "dropout_masks"
         elif core is not None:
             region[n] = "attention_internals"
@@ -406,6 +415,7 @@ def classify_regions(
         up_projections=up_projections,
         boundaries=list(dict.fromkeys(boundaries)),
         constant=constant,
+        random_sourced={n for n in nodes if n.op == "call_function" and n not in constant and n not in from_inputs},
         num_layers=layer + 1,
         state=state,
     )

@@ -79,7 +79,10 @@ def tensor_nbytes(node: fx.Node) -> int:
 
 
 def is_random(node: fx.Node) -> bool:
+    """Draws from a random generator (also when wrapped to save or replay the generator's state)."""
     target = node.target
+    if target in (torch._prims.rng_prims.run_and_save_rng_state, torch._prims.rng_prims.run_with_rng_state):
+        return True
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
 
 

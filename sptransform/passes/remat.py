@@ -88,9 +88,10 @@ class RematOptions:
     """Recompute random ops by replaying their RNG state exactly; else save their outputs."""
     recompute_collectives: bool = False
     """Allow recomputing collectives (priced by the bytes they move)."""
-    regather_sequence_shards: bool = False
+    regather_sequence_shards: bool = True
     """Sequence parallelism: never save an all-gather's output that feeds a weight matmul;
-    save its local shard and gather again in backward (the paper's section 4.2.2)."""
+    save its local shard and gather again in backward (the paper's section 4.2.2). A no-op
+    on graphs without such all-gathers."""
     flops_per_comm_byte: float = 1000.0
     """Recompute cost of moving one byte, in FLOPs (about an A100's FLOP/s over its NVLink B/s)."""
 
@@ -163,7 +164,10 @@ def analyze_joint(
             root = storage_root(n)
             save_bytes[n] = 0 if root in state or isinstance(val(n), (torch.SymInt, int, float)) else storage_nbytes(n)
         expensive = cost[n].matmul_flops or cost[n].comm_bytes or is_random(n)
-        if is_view(n) or n not in required_fw or (n in regions.constant and not expensive):
+        # Free to recompute: views; what the forward outputs do not need; constants; and a
+        # dropout's scaling of its own mask (what native_dropout_backward does in-kernel).
+        cheap = (n in regions.constant or n in regions.random_sourced) and not expensive
+        if is_view(n) or n not in required_fw or cheap:
             free.add(n)
     return JointAnalysis(
         joint=joint,
@@ -201,7 +205,7 @@ def policy_constraints(analysis: JointAnalysis, options: RematOptions) -> Constr
     for n in analysis.forward:
         if n.op == "placeholder":
             out.banned.add(n)
-        elif is_random(n) and not options.replay_rng:
+        elif is_random(n) and not (options.replay_rng and replayable(n)):
             out.banned.add(n)
         elif is_collective(n) and not options.recompute_collectives and n not in analysis.free:
             out.banned.add(n)
@@ -235,6 +239,19 @@ def policy_constraints(analysis: JointAnalysis, options: RematOptions) -> Constr
     return out
 
 
+def replayable(node: fx.Node) -> bool:
+    """A random op whose draws a saved generator state reproduces exactly: one on the
+    default generator, or one whose ``generator=`` is a constant of the graph."""
+    if not is_random(node):
+        return False
+    generator = node.kwargs.get("generator")
+    return generator is None or (isinstance(generator, fx.Node) and generator.op == "get_attr")
+
+
+def _own_generator(node: fx.Node) -> bool:
+    return node.kwargs.get("generator") is not None
+
+
 def _selective_nodes(analysis: JointAnalysis, notes: list[str]) -> set[fx.Node]:
     cores = analysis.regions.cores
     explicit = [c for c in cores if not c.fused]
@@ -254,7 +271,7 @@ def _describe_kept(kept: set[fx.Node]) -> str:
     collectives = sum(1 for n in kept if is_collective(n))
     parts = []
     if random:
-        parts.append(f"{random} random op(s) (RNG replay is off, so their masks are saved)")
+        parts.append(f"{random} random op(s) (RNG replay is off or they draw from their own generator, so their masks are saved)")
     if collectives:
         parts.append(f"{collectives} collective(s) (recompute_collectives=False, so their outputs are saved)")
     if len(kept) > random + collectives:
@@ -262,18 +279,27 @@ def _describe_kept(kept: set[fx.Node]) -> str:
     return "kept instead of recomputed: " + ", ".join(parts)
 
 
+_MOVES_DATA = frozenset({aten.cat, aten.clone, aten.contiguous})
+
+
 def _sequence_gathers(analysis: JointAnalysis) -> set[fx.Node]:
-    """All-gathers (and their waits) whose output feeds a weight matmul."""
-    found = set()
-    operands = set(analysis.regions.weight_matmuls.values())
+    """All-gathers whose output reaches a weight matmul through data movement only (wait,
+    views, the chunk-and-cat of a gather along a non-leading dim), with those movements."""
+    found: set[fx.Node] = set()
+    matmuls = analysis.regions.weight_matmuls
     for n in analysis.forward:
-        if is_collective(n) and "all_gather" in n.target._schema.name:
-            chain, node = [n], n
-            while len(node.users) == 1 and (is_collective(next(iter(node.users))) or is_view(next(iter(node.users)))):
-                node = next(iter(node.users))
-                chain.append(node)
-            if any(c in operands or any(u in analysis.regions.weight_matmuls for u in c.users) for c in chain):
-                found.update(chain)
+        if not (is_collective(n) and "all_gather" in n.target._schema.name):
+            continue
+        chain, frontier, feeds_matmul = {n}, [n], False
+        while frontier:
+            for user in frontier.pop().users:
+                if user in matmuls:
+                    feeds_matmul = True
+                elif user not in chain and (is_view(user) or is_collective(user) or packet_of(user) in _MOVES_DATA):
+                    chain.add(user)
+                    frontier.append(user)
+        if feeds_matmul:
+            found |= chain
     return found
 
 
@@ -468,7 +494,8 @@ def apply_plan(analysis: JointAnalysis, plan: RematPlan) -> tuple[fx.GraphModule
     joint = analysis.joint
     for n in analysis.required_fw:
         n.meta[FORWARD_TAG] = True
-    for n in plan.solution.replayed:
+    default_rng = [n for n in plan.solution.replayed if not _own_generator(n)]
+    for n in default_rng:
         n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     saved_sym = [n for n in plan.saved if isinstance(val(n), (torch.SymInt, torch.SymFloat, torch.SymBool))]
     saved_values = [n for n in plan.saved if n not in saved_sym]
@@ -479,13 +506,86 @@ def apply_plan(analysis: JointAnalysis, plan: RematPlan) -> tuple[fx.GraphModule
     # gradient needs (a random op included) are dead and go.
     bw.graph.eliminate_dead_code(is_impure_node=_keeps_when_dead)
     bw.recompile()
-    if plan.solution.replayed:
+    if default_rng:
         fw, bw = torch_partitioners.functionalize_rng_ops(joint, fw, bw, len(saved_sym))
         for n in bw.graph.nodes:
             if n.target is torch._prims.rng_prims.run_with_rng_state:
                 n.meta[FORWARD_TAG] = True
+    own = [n for n in plan.solution.replayed if _own_generator(n)]
+    if own:
+        replay_own_generators(fw, bw, own, num_sym_nodes=len(saved_sym))
     bw = torch_partitioners.reordering_to_mimic_autograd_engine(bw)
     return fw, bw
+
+
+def generator_state(generator: torch.Generator) -> torch.Tensor:
+    """The state ``generator`` is in (called by a forward graph before a replayed draw)."""
+    return generator.get_state()
+
+
+def run_with_generator_state(state: torch.Tensor, op, *args, generator: torch.Generator, **kwargs):
+    """``op(*args, generator=<a copy of generator in state>)``: the draw the forward made, again,
+    leaving ``generator`` itself where it is."""
+    replica = torch.Generator(device=generator.device)
+    replica.set_state(state)
+    return op(*args, generator=replica, **kwargs)
+
+
+def replay_own_generators(fw: fx.GraphModule, bw: fx.GraphModule, replayed: list[fx.Node], *, num_sym_nodes: int) -> None:
+    """Random ops drawing from a generator of their own (``generator=`` a graph constant): the
+    forward saves the generator's state just before the draw, the backward draws again from a
+    copy in that state. What ``functionalize_rng_ops`` does for the default generator.
+
+        before:  fw: m = bernoulli(e, p, generator=g)     bw: m = bernoulli(e, p, generator=g)
+        after:   fw: s = generator_state(g); m = bernoulli(e, p, generator=g)
+                 bw: m = run_with_generator_state(s, bernoulli, e, p, generator=g)
+
+    Edits ``fw`` and ``bw`` in place (the state joins the saved outputs, before symints)."""
+    fw_nodes = {n.name: n for n in fw.graph.nodes}
+    bw_nodes = {n.name: n for n in bw.graph.nodes}
+    placeholders = list(bw.graph.find_nodes(op="placeholder"))
+    first_tangent = next((n for n in placeholders if "tangent" in n.name), None)
+    states = []
+    for i, node in enumerate(replayed):
+        forward, backward = fw_nodes.get(node.name), bw_nodes.get(node.name)
+        if forward is None or backward is None:
+            continue
+        fake = _fake_generator_state(forward)
+        with fw.graph.inserting_before(forward):
+            state = fw.graph.call_function(generator_state, (forward.kwargs["generator"],))
+            state.meta["val"] = fake
+        states.append(state)
+        where = bw.graph.inserting_before(first_tangent) if first_tangent else bw.graph.inserting_after(placeholders[-1])
+        with where:
+            saved = bw.graph.placeholder(f"generator_state_{i}")
+            saved.meta["val"] = fake
+        with bw.graph.inserting_before(backward):
+            again = bw.graph.call_function(run_with_generator_state, (saved, backward.target, *backward.args),
+                                           dict(backward.kwargs))
+            again.meta = dict(backward.meta)
+        backward.replace_all_uses_with(again)
+        bw.graph.erase_node(backward)
+    output = next(iter(fw.graph.find_nodes(op="output")))
+    outs = tuple(output.args[0])
+    cut = len(outs) - num_sym_nodes
+    output.args = (outs[:cut] + tuple(states) + outs[cut:],)
+    fw.recompile()
+    bw.recompile()
+
+
+def _fake_generator_state(node: fx.Node) -> torch.Tensor:
+    from torch._guards import detect_fake_mode
+
+    size = torch.Generator().get_state().numel()
+    mode = detect_fake_mode([v for v in pytree_leaves(val(node)) if isinstance(v, torch.Tensor)])
+    if mode is None:
+        return torch.empty(size, dtype=torch.uint8)
+    with mode:
+        return torch.empty(size, dtype=torch.uint8)
+
+
+def pytree_leaves(value) -> list:
+    return list(value) if isinstance(value, (tuple, list)) else [value]
 
 
 def _keeps_when_dead(node: fx.Node) -> bool:
@@ -537,6 +637,40 @@ def isolate_dropout_masks(joint: fx.GraphModule) -> int:
     return count
 
 
+def compact_bernoulli_masks(joint: fx.GraphModule) -> int:
+    """Keep a float Bernoulli draw (0 or 1) as a 1-byte mask, so saving it costs a byte an element.
+
+        before:  keep = bernoulli(e, p)                   # dtype of e
+        after:   keep = bernoulli(e, p); mask = keep != 0; keep01 = mask.to(keep.dtype)
+
+    Every user of ``keep`` reads ``keep01`` (bit for bit the same values); the partition
+    then saves ``mask`` and rebuilds the rest for free. Edits ``joint`` in place; returns
+    the number of draws rewritten."""
+    graph, count = joint.graph, 0
+    for node in list(graph.nodes):
+        value = val(node)
+        if packet_of(node) is not aten.bernoulli or not isinstance(value, torch.Tensor) or value.dtype is torch.bool:
+            continue
+        users = list(node.users)
+        with graph.inserting_after(node):
+            mask = graph.call_function(aten.ne.Scalar, (node, 0))
+        with graph.inserting_after(mask):
+            keep01 = graph.call_function(aten._to_copy.default, (mask,), {"dtype": value.dtype})
+        mask.meta["val"] = value.ne(0)
+        keep01.meta["val"] = value
+        for user in users:
+            user.replace_input_with(node, keep01)
+        count += 1
+    if count:
+        joint.recompile()
+    return count
+
+
+def packet_of(node: fx.Node):
+    target = node.target
+    return target.overloadpacket if isinstance(target, torch._ops.OpOverload) else None
+
+
 def remat_partition(
     options: RematOptions,
     *,
@@ -554,6 +688,7 @@ def remat_partition(
         joint_module.graph.eliminate_dead_code(is_impure_node=_keeps_when_dead)
         if options.replay_rng:
             isolate_dropout_masks(joint_module)
+        compact_bernoulli_masks(joint_module)
         joint_module.recompile()
         analysis = analyze_joint(joint_module, num_fwd_outputs=num_fwd_outputs, state_indices=indices)
         plan = plan_remat(analysis, options)

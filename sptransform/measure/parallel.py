@@ -1,0 +1,84 @@
+"""One rank's forward graph of a tensor-(and sequence-)parallel model, built without hardware.
+
+``rank_graph(model, args, tp=8, sp=True)`` joins a fake process group of ``tp``
+ranks (this process is rank 0; nothing is sent), runs sptransform's parallel
+pipeline (``module.build_parallel_graph``: capture, analyse, tensor-parallel,
+sequence-parallel, dropout) on a fake copy of ``model``, and returns rank 0's
+forward graph with fake inputs of the local shapes: parameters are shards,
+collectives are ``_c10d_functional`` ops. ``partition_module`` then partitions and
+measures it like any other graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+from torch._guards import detect_fake_mode
+
+
+@dataclass
+class RankGraph:
+    gm: fx.GraphModule
+    inputs: list[torch.Tensor]
+    """Fake tensors for every placeholder: local parameter shards, user inputs, the rank."""
+    state_inputs: list[int]
+    """Positions of parameters and buffers among ``inputs``."""
+    notes: list[str]
+
+
+def join_fake_group(world: int) -> str:
+    """Initialize (or reuse) a fake process group of ``world`` ranks; returns the TP mesh's group name."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        if dist.get_world_size() != world:
+            if dist.get_backend() != "fake":
+                raise ValueError(
+                    f"a real process group of {dist.get_world_size()} ranks is initialized; "
+                    f"measuring tp={world} needs a fake one of {world} ranks (run in a fresh process)"
+                )
+            dist.destroy_process_group()
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    return mesh.get_group().group_name
+
+
+def rank_graph(model: nn.Module, args: tuple, *, tp: int, sp: bool) -> RankGraph:
+    """Rank 0's forward graph of ``parallelize(model, tp=tp, sp=sp)`` on inputs shaped like ``args``."""
+    from sptransform.api import ParallelOptions
+    from sptransform.capture import FakeTemplate
+    from sptransform.module import build_parallel_graph
+    from sptransform.ops import RankGenerators, register_generators
+
+    group = join_fake_group(tp)
+    template = FakeTemplate(model, torch.device("cpu"))
+    generators = register_generators(RankGenerators(0, tp, 0))
+    graph = build_parallel_graph(template, tuple(args), {}, ParallelOptions(tp=tp, sp=sp), group, generators)
+    captured, plan = graph.captured, graph.plan
+    placeholders = list(captured.gm.graph.find_nodes(op="placeholder"))
+    fake_mode = detect_fake_mode([p.meta["val"] for p in placeholders if "val" in p.meta])
+    inputs = []
+    with fake_mode:
+        for i, node in enumerate(placeholders):
+            value = node.meta.get("val")
+            if value is None:  # the rank index ParallelModule appends
+                inputs.append(torch.zeros((), dtype=torch.long))
+                continue
+            shape = list(value.shape)
+            if i < len(captured.state_names):
+                name = captured.state_names[i]
+                placement = plan.placements.get(name) if plan is not None else None
+                if placement is not None and placement.spec is not None:
+                    shape[placement.spec.dim] = -(-shape[placement.spec.dim] // tp)
+                local = torch.empty(shape, dtype=value.dtype)
+                inputs.append(local.requires_grad_(name in captured.param_names))
+            else:
+                inputs.append(torch.empty(shape, dtype=value.dtype))
+    notes = list(plan.notes) if plan is not None else []
+    return RankGraph(captured.gm, inputs, list(range(len(captured.state_names))), notes)

@@ -1,0 +1,148 @@
+"""``sptransform memory``: activation memory and FLOPs of one rank, measured on the partitioned graph.
+
+    sptransform memory --model gpt-175b --recompute selective
+    sptransform memory --model gpt-530b --tp 8 --sp --recompute selective --json
+    sptransform memory --model gpt2 --seq 1024 --batch 4 --dtype fp32 --recompute budget --budget 0.5
+    sptransform memory --model path/to/config.json --recompute full
+
+Two layers of the model are traced under fake tensors (nothing is allocated; a 1T
+model takes seconds on a laptop CPU), partitioned with the chosen recompute policy,
+and measured: bytes saved for backward per layer by region beside Korthikanti et
+al.'s Table 2, the peak of live bytes during backward, and model vs hardware FLOPs
+per layer (the difference of the two- and one-layer graphs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+
+import torch
+
+from sptransform.measure.layer import Measurement, layer_flops, measure_shape
+from sptransform.measure.memory import paper_row_name
+from sptransform.measure.regions import REGIONS
+from sptransform.passes.remat import POLICIES, RematOptions
+from sptransform.planner.tables import TextTable, print_table
+from sptransform.presets import PRESETS, get_preset
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "memory", help="activation memory and FLOPs of one rank, measured on the partitioned graph",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.set_defaults(run=run)
+    parser.add_argument("--model", required=True, help=f"a preset ({', '.join(sorted(PRESETS))}) or a HF config.json")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    parser.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
+    parser.add_argument("--recompute", default="none", help=f"one of {', '.join(POLICIES)} (default none)")
+    parser.add_argument("--budget", help="for --recompute budget: bytes per rank (e.g. 12GiB) or a fraction of 'none'")
+    parser.add_argument("--seq", type=int, help="sequence length (default: the model's)")
+    parser.add_argument("--batch", type=int, help="micro-batch (default: the paper's for its models, else 1)")
+    parser.add_argument("--dtype", default="bf16", help=f"one of {', '.join(DTYPES)} (default bf16)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def parse_budget(text: str | None) -> int | float | None:
+    """``"0.5"`` -> a fraction of 'none'; ``"12GiB"``, ``"3e9"`` or ``"1200000"`` -> bytes."""
+    if text is None:
+        return None
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"--budget={text!r}: give bytes (12GiB, 3e9) or a fraction of 'none' (0.5)")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    if not unit and number <= 1:
+        return number
+    return int(number * _UNITS[unit])
+
+
+def run(args) -> int:
+    shape = get_preset(args.model)
+    if args.dtype not in DTYPES:
+        raise ValueError(f"--dtype={args.dtype!r}: use one of {list(DTYPES)}")
+    options = RematOptions(policy=args.recompute, budget=parse_budget(args.budget))
+    batch = args.batch or shape.paper_layout.get("micro_batch", 1)
+    start = time.perf_counter()
+    measured = measure_shape(shape, options=options, seq=args.seq, batch=batch, dtype=DTYPES[args.dtype],
+                             tp=args.tp, sp=args.sp, num_layers=2)
+    flops = layer_flops(measured)
+    elapsed = time.perf_counter() - start
+    report = summarize(measured, flops, elapsed)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report)
+    return 0
+
+
+def summarize(m: Measurement, flops, elapsed: float) -> dict:
+    """Everything the command prints, as plain values."""
+    per_layer = m.memory.per_layer()
+    paper = m.paper()
+    s, h = m.seq, m.shape.hidden
+    model_layer, hardware_layer = flops.model_flops, flops.hardware_flops
+    return {
+        "model": m.shape.name, "tp": m.tp, "sp": m.sp, "recompute": m.options.policy, "budget": m.options.budget,
+        "seq": s, "batch": m.batch, "dtype": str(m.dtype).replace("torch.", ""), "sbh": m.sbh,
+        "traced_layers": m.memory.num_layers, "seconds": round(elapsed, 2),
+        "per_layer_bytes": {r: per_layer[r] for r in REGIONS},
+        "per_layer_total": sum(per_layer.values()),
+        "paper_row": paper_row_name(m.tp, m.sp, m.options.policy) if paper else None,
+        "paper_per_layer_bytes": paper,
+        "paper_per_layer_total": sum(paper.values()) if paper else None,
+        "outside_layers_bytes": m.memory.outside_layers(),
+        "model_total_bytes": m.model_bytes(),
+        "num_layers": m.shape.num_layers,
+        "peak_backward_bytes": m.memory.peak_backward,
+        "flops_per_layer": {
+            "model": model_layer, "hardware": hardware_layer, "recompute": hardware_layer - model_layer,
+            "overhead": hardware_layer / model_layer - 1 if model_layer else None,
+            "paper_eq9_overhead": s / (6 * h) if m.options.policy == "selective" else None,
+            "paper_appendix_a_overhead": (s / (18 * h)) / (1 + s / (6 * h)) if m.options.policy == "selective" else None,
+        },
+        "notes": m.memory.notes,
+    }
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:,.3f} GiB"
+
+
+def print_report(r: dict) -> None:
+    sbh = r["sbh"]
+    paper = r["paper_per_layer_bytes"] or {}
+    rows = []
+    for region in REGIONS:
+        measured, expected = r["per_layer_bytes"][region], paper.get(region)
+        if not measured and not expected:
+            continue
+        rows.append((region, f"{measured:,.0f}", f"{measured / sbh:.4f}",
+                     "" if expected is None else f"{expected:,.0f}", "" if expected is None else f"{expected / sbh:.4f}"))
+    total, expected_total = r["per_layer_total"], r["paper_per_layer_total"]
+    rows.append(("total per layer", f"{total:,.0f}", f"{total / sbh:.4f}",
+                 "" if expected_total is None else f"{expected_total:,.0f}",
+                 "" if expected_total is None else f"{expected_total / sbh:.4f}"))
+    f = r["flops_per_layer"]
+    notes = [
+        f"paper row: {r['paper_row'] or 'none for this policy or model'}"
+        + ("" if expected_total is None else f"; measured/paper = {total / expected_total:.5f}"),
+        f"outside the layers (embedding, final norm, head, loss): {_gib(sum(r['outside_layers_bytes'].values()))}",
+        f"whole model ({r['num_layers']} layers, one micro-batch): {_gib(r['model_total_bytes'])}",
+        f"peak live bytes during backward (traced {r['traced_layers']} layers): {_gib(r['peak_backward_bytes'])}",
+        f"FLOPs per layer: model {f['model']:.4e}, hardware {f['hardware']:.4e}, recompute {f['recompute']:.4e}"
+        + (f" ({100 * f['overhead']:.3f}%)" if f["overhead"] is not None else ""),
+    ]
+    if f["paper_eq9_overhead"] is not None:
+        notes.append(f"paper's selective overhead: eq. 8-9 s/6h = {100 * f['paper_eq9_overhead']:.3f}%, "
+                     f"its Appendix A text (one more QK^T and AV) = {100 * f['paper_appendix_a_overhead']:.3f}%")
+    notes += [f"note: {n}" for n in r["notes"]]
+    title = (f"{r['model']}: bytes saved for backward per layer, one rank (tp={r['tp']}{', sp' if r['sp'] else ''}, "
+             f"recompute={r['recompute']}, s={r['seq']}, b={r['batch']}, {r['dtype']}; traced in {r['seconds']} s)")
+    print_table(TextTable(title=title, columns=("region", "measured B", "x sbh", "paper B", "x sbh"),
+                          rows=tuple(rows), notes=tuple(notes)))
