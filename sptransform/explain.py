@@ -44,6 +44,8 @@ def collective_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
 def explain(graph, options) -> str:
     plan, analysis = graph.plan, graph.analysis
     lines = [f"sptransform: tp={options.tp} sp={options.sp} dropout_rng={options.dropout_rng}"]
+    if analysis is None:
+        return "\n".join(lines + ["tp=1: the captured graph runs unchanged"])
     lines.append(f"sequence length {analysis.seq_len}; vocab {plan.vocab if plan else '-'}")
     lines.append("regions:")
     for region in analysis.regions:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+from torch.distributed._local_tensor import local_tensor_mode, maybe_disable_local_tensor_mode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -34,7 +34,7 @@ from .sharding import DimShard
 @dataclass
 class ParallelGraph:
     captured: CapturedGraph
-    analysis: ModelAnalysis
+    analysis: ModelAnalysis | None
     plan: ParallelPlan | None
 
     @property
@@ -48,9 +48,9 @@ def build_parallel_graph(
     """capture -> analyse -> tensor-parallel -> sequence-parallel (or f/f̄) -> dropout -> grad buckets."""
     with maybe_disable_local_tensor_mode():  # tracing sees one rank, never simulated ones
         captured = capture(template, args, kwargs)
-    analysis = analyze(captured, options.tp)
     if options.tp == 1:
-        return ParallelGraph(captured, analysis, None)
+        return ParallelGraph(captured, None, None)  # nothing to split: the captured graph runs as is
+    analysis = analyze(captured, options.tp)
     gm = captured.gm
     plan = shard_linears(gm, analysis, tp=options.tp, sp=options.sp, group=group)
     if options.sp:
@@ -141,12 +141,21 @@ class ParallelModule(nn.Module):
             local = torch.empty(local_shape, dtype=param.dtype, device=self._device)
             dtensor = DTensor.from_local(local, self._mesh, [placement], run_check=False, shape=param.shape, stride=param.stride())
         else:
-            # Rank 0's values are the source of truth on a real group; LocalTensorMode's
-            # scatter mishandles tensors made outside it, and every simulated rank holds
-            # the same full tensor anyway.
-            source = None if _simulated() else 0
-            dtensor = distribute_tensor(param.detach(), self._mesh, [placement], src_data_rank=source)
+            dtensor = self._distribute(param.detach(), placement)
         return nn.Parameter(dtensor, requires_grad=param.requires_grad)
+
+    def _distribute(self, full: torch.Tensor, placement) -> DTensor:
+        mode = local_tensor_mode()
+        if mode is None:
+            # Rank 0's values are the source of truth; a copy, so the user's module and
+            # the parallel one never share storage.
+            return distribute_tensor(full.clone(), self._mesh, [placement], src_data_rank=0)
+        # Simulated ranks: each gets its own storage (a replicated LocalTensor built from one
+        # plain tensor would alias it, and in-place optimizer steps would run once per rank).
+        if isinstance(placement, Replicate):
+            local = mode.rank_map(lambda r: full.clone())
+            return DTensor.from_local(local, self._mesh, [placement], run_check=False)
+        return distribute_tensor(full, self._mesh, [placement], src_data_rank=None)
 
     def _rank_tensor(self) -> torch.Tensor | None:
         if self._mesh is None:
@@ -208,8 +217,6 @@ class ParallelModule(nn.Module):
 
 
 def _simulated() -> bool:
-    from torch.distributed._local_tensor import local_tensor_mode
-
     return local_tensor_mode() is not None
 
 

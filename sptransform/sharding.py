@@ -283,6 +283,9 @@ def dim_links(node: fx.Node) -> tuple[list[tuple[fx.Node, dict[int, int]]], set[
         x = node.args[0]
         d = _norm_dim(node.args[1], len(out) + 1)
         return [(x, {o: (o if o < d else o + 1) for o in range(len(out))})], set()
+    if p is aten.repeat_interleave and isinstance(node.args[1], int):
+        # out[i] = in[i // repeats] along dim: a contiguous split maps to one `repeats` times smaller.
+        return [(node.args[0], {o: o for o in range(len(out))})], set()
     if p is aten.cat:
         d = _norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), len(out))
         return [(t, {o: o for o in range(len(out)) if o != d}) for t in node.args[0]], {d}
@@ -322,11 +325,9 @@ def dim_links(node: fx.Node) -> tuple[list[tuple[fx.Node, dict[int, int]]], set[
         mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
         n = len(out)
         sk = shape_of(k)
-        links = [
-            (q, {o: o for o in range(n - 1)}),
-            (k, {o: o for o in range(n - 2) if sk[o] == out[o]}),
-            (v, {o: o for o in range(n - 2) if sk[o] == out[o]} | {n - 1: n - 1}),
-        ]
+        # K/V batch dims may be broadcast (size 1) or hold fewer, grouped heads (GQA).
+        kv = {o: o for o in range(n - 2) if sk[o] != 1 or out[o] == 1}
+        links = [(q, {o: o for o in range(n - 1)}), (k, kv), (v, kv | {n - 1: n - 1})]
         if isinstance(mask, fx.Node):
             sm = shape_of(mask)
             off = n - len(sm)
