@@ -21,7 +21,7 @@ during one training step, split into forward / backward / optimizer. For sptrans
 counts read from its graph (``sptransform.explain.collective_counts``) are printed too.
 
     python benchmarks/tp_vs_dtensor.py [--layers 4 --hidden 256 --heads 8 --vocab 8192
-        --seq 256 --batch 4 --steps 5 --warmup 2] [--json out.json]
+        --seq 256 --batch 4 --steps 8 --warmup 2] [--json out.json]
 
 The launcher, the collective counter, the timing loop and the table are shared with
 ``tp_vs_hf_auto.py``, which imports them from here.
@@ -207,17 +207,24 @@ def scalar(loss: torch.Tensor) -> float:
     return float(loss.detach())
 
 
-def train(side: Side, *, steps: int, warmup: int, lr: float) -> dict:
-    """First loss, loss after all steps, median step time of ``steps`` timed steps
-    (after ``warmup`` steps and one step counted by ``CollectiveCounter``)."""
-    opt = torch.optim.AdamW(side.model.parameters(), lr=lr, foreach=False)
-    counter = CollectiveCounter()
-    comm_debug = CommDebugMode()
+class Trainer:
+    """One side's AdamW loop: losses, step times, and one step counted by ``CollectiveCounter``
+    (with torch's ``CommDebugMode`` counting the same step, as a cross-check)."""
 
-    def step(mode: CollectiveCounter | None) -> float:
-        opt.zero_grad(set_to_none=True)
-        # torch's CommDebugMode counts the same step, as a cross-check of ours
-        with comm_debug if mode is not None else contextlib.nullcontext(), mode or contextlib.nullcontext():
+    def __init__(self, side: Side, lr: float):
+        self.side = side
+        self.opt = torch.optim.AdamW(side.model.parameters(), lr=lr, foreach=False)
+        self.counter, self.comm_debug = CollectiveCounter(), CommDebugMode()
+        self.losses: list[float] = []
+        self.times: list[float] = []
+        self.partial_grads = 0
+
+    def step(self, *, counted: bool, timed: bool) -> None:
+        side, mode = self.side, self.counter if counted else None
+        dist.barrier()
+        start = time.perf_counter()
+        self.opt.zero_grad(set_to_none=True)
+        with self.comm_debug if counted else contextlib.nullcontext(), mode or contextlib.nullcontext():
             with side.context():
                 loss = side.loss_fn(side.model)
                 if mode is not None:
@@ -225,49 +232,77 @@ def train(side: Side, *, steps: int, warmup: int, lr: float) -> dict:
                 loss.backward()
             if mode is not None:
                 mode.phase = "optimizer"
-            opt.step()
-        return scalar(loss)
+                self.partial_grads = partial_grad_count(side.model)
+            self.opt.step()
+        self.losses.append(scalar(loss))
+        if timed:
+            self.times.append(time.perf_counter() - start)
 
-    losses, times = [], []
-    for i in range(warmup + 1 + steps):
-        counted = i == warmup
-        dist.barrier()
+    def result(self) -> dict:
+        # rank 0 reports the slowest rank's median: a step is as slow as its slowest rank
+        median = torch.tensor([statistics.median(self.times)], dtype=torch.float64)
+        dist.all_reduce(median, op=dist.ReduceOp.MAX)
+        return {
+            "side": self.side.name,
+            "first_loss": self.losses[0],
+            "last_loss": self.losses[-1],
+            "step_s": float(median),
+            "step_s_all": self.times,
+            "collectives": self.counter.summary(),
+            "comm_debug_mode_total": self.comm_debug.get_total_counts(),
+            "partial_grads": self.partial_grads,
+            "note": self.side.note,
+            **self.side.extra,
+        }
+
+
+def partial_grad_count(model: nn.Module) -> int:
+    """Parameters whose gradient is a DTensor still pending a reduction (``Partial``)."""
+    from torch.distributed.tensor import DTensor
+
+    return sum(
+        1 for p in model.parameters()
+        if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements)
+    )
+
+
+def _error(err: Exception) -> str:
+    log(traceback.format_exc())
+    first = str(err).splitlines()[0][:300] if str(err) else ""
+    return f"{type(err).__name__}: {first}"
+
+
+def run_sides(makers: list[Callable[[], Side]], *, steps: int, warmup: int, lr: float) -> list[dict]:
+    """Build every side, then train them round-robin (step i of every side, then step i+1),
+    so that load from elsewhere on the machine falls on all sides alike. Steps: ``warmup``
+    untimed, one counted (untimed), ``steps`` timed. A side that fails (the same way on
+    every rank) becomes a row with its reason and leaves the rotation."""
+    rows: list[dict | Trainer] = []
+    for make in makers:
+        name = getattr(make, "side_name", make.__name__)
         start = time.perf_counter()
-        losses.append(step(counter if counted else None))
-        elapsed = time.perf_counter() - start
-        if i > warmup:
-            times.append(elapsed)
-    # rank 0 reports the slowest rank's median: a step is as slow as its slowest rank
-    median = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    dist.all_reduce(median, op=dist.ReduceOp.MAX)
-    return {
-        "side": side.name,
-        "first_loss": losses[0],
-        "last_loss": losses[-1],
-        "step_s": float(median),
-        "collectives": counter.summary(),
-        "comm_debug_mode_total": comm_debug.get_total_counts(),
-        "note": side.note,
-        **side.extra,
-    }
-
-
-def run_side(make: Callable[[], Side], *, steps: int, warmup: int, lr: float) -> dict:
-    """Build and train one side; a failure (same on every rank) becomes a row with its reason."""
-    name = getattr(make, "side_name", make.__name__)
-    start = time.perf_counter()
-    try:
-        side = make()
-        name = side.name
-        built = time.perf_counter() - start
-        result = train(side, steps=steps, warmup=warmup, lr=lr)
-        result["setup_s"] = built
-    except Exception as err:  # report, don't hang: the other ranks raise the same
-        log(traceback.format_exc())
-        result = {"side": name, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"}
-    log(f"[{name}] done in {time.perf_counter() - start:.1f}s")
-    dist.barrier()
-    return result
+        try:
+            trainer = Trainer(make(), lr)
+            trainer.setup_s = time.perf_counter() - start
+            rows.append(trainer)
+        except Exception as err:  # report, don't hang: the other ranks raise the same
+            rows.append({"side": name, "error": _error(err)})
+        log(f"[{name}] built in {time.perf_counter() - start:.1f}s")
+        dist.barrier()
+    for i in range(warmup + 1 + steps):
+        for k, row in enumerate(rows):
+            if isinstance(row, Trainer):
+                try:
+                    row.step(counted=i == warmup, timed=i > warmup)
+                except Exception as err:
+                    rows[k] = {"side": row.side.name, "error": _error(err)}
+    results = []
+    for row in rows:
+        if isinstance(row, Trainer):
+            results.append({**row.result(), "setup_s": row.setup_s})
+        else:
+            results.append(row)
+    return results
 
 
 def sptransform_graph_counts(pm, tp: int) -> dict:
@@ -317,17 +352,18 @@ def render_table(rows: list[list[str]], header: list[str]) -> str:
 
 
 def results_table(results: list[dict]) -> str:
-    header = ["side", "first loss", "last loss", "step s (median)", "collectives/step (fwd | bwd | opt)", "total", "MiB/step"]
+    header = ["side", "first loss", "last loss", "step s (median)", "collectives/step (fwd | bwd | opt)", "total",
+              "MiB/step", "setup s"]
     rows = []
     for r in results:
         if "error" in r:
-            rows.append([r["side"], "failed", "-", "-", r["error"][:60], "-", "-"])
+            rows.append([r["side"], "failed", "-", "-", r["error"][:60], "-", "-", "-"])
             continue
         c = r["collectives"]
         phases = " | ".join(_fmt_counts(c["by_phase"].get(p, {})) for p in PHASES)
         rows.append([
             r["side"], f"{r['first_loss']:.6f}", f"{r['last_loss']:.6f}", f"{r['step_s']:.3f}",
-            phases, str(c["total"]["count"]), f"{c['total']['bytes'] / 2**20:.2f}",
+            phases, str(c["total"]["count"]), f"{c['total']['bytes'] / 2**20:.2f}", f"{r['setup_s']:.1f}",
         ])
     return render_table(rows, header)
 
@@ -367,10 +403,13 @@ def grad_sync_lines(results: list[dict]) -> list[str]:
             )
         else:
             n_opt = sum(v["count"] for v in opt.values())
+            if not n_opt and not r["partial_grads"]:
+                out.append(f"{r['side']}: no Partial gradients after backward; optimizer step: 0 collectives")
+                continue
             out.append(
-                f"{r['side']}: {n_opt} collectives inside optimizer.step() "
-                f"(Partial gradients of replicated DTensor params reduced when read)"
-                + (f"; {r['replicated_params']} replicated DTensor params" if "replicated_params" in r else "")
+                f"{r['side']}: {n_opt} collectives inside optimizer.step(): {r['partial_grads']} params "
+                f"(of {r.get('replicated_params', '?')} replicated DTensor params) leave backward with a Partial "
+                "gradient, reduced again each time AdamW reads it"
             )
     return out
 
@@ -393,7 +432,7 @@ def graph_lines(results: list[dict]) -> list[str]:
 
 
 def common_args(parser: argparse.ArgumentParser, **defaults) -> argparse.ArgumentParser:
-    d = dict(layers=4, hidden=256, heads=8, vocab=8192, seq=256, batch=4, steps=5, warmup=2)
+    d = dict(layers=4, hidden=256, heads=8, vocab=8192, seq=256, batch=4, steps=8, warmup=2)
     d.update(defaults)
     parser.add_argument("--tp", type=int, default=2, help="ranks (tensor-parallel degree)")
     parser.add_argument("--layers", type=int, default=d["layers"])
@@ -568,10 +607,8 @@ def dtensor_worker(args: argparse.Namespace) -> dict:
         make.side_name = f"DTensor sp={sp}"
         return make
 
-    results = [
-        run_side(make, steps=args.steps, warmup=args.warmup, lr=args.lr)
-        for make in (ours(True), theirs(True), ours(False), theirs(False))
-    ]
+    makers = [ours(True), theirs(True), ours(False), theirs(False)]
+    results = run_sides(makers, steps=args.steps, warmup=args.warmup, lr=args.lr)
     return {"config": vars(args), "single_device_loss": reference, "results": results}
 
 

@@ -15,7 +15,7 @@ ratio sptransform / transformers. If ``tp_plan="auto"`` fails here its exact err
 printed and the sptransform side still runs.
 
     python benchmarks/tp_vs_hf_auto.py [--layers 4 --hidden 256 --heads 8 --kv-heads 4
-        --mlp 688 --vocab 4096 --seq 256 --batch 4 --steps 5 --warmup 2] [--json out.json]
+        --mlp 688 --vocab 4096 --seq 256 --batch 4 --steps 8 --warmup 2] [--json out.json]
 
 The launcher, counter, timing loop and table come from ``tp_vs_dtensor.py``.
 """
@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tp_vs_dtensor import (  # noqa: E402  (the harness lives beside this file)
-    Side, batch, common_args, finish, graph_lines, launch, log, quiet, ratio_lines, run_side, sptransform_graph_counts,
+    Side, batch, common_args, finish, graph_lines, launch, log, quiet, ratio_lines, run_sides, sptransform_graph_counts,
 )
 
 
@@ -84,10 +84,7 @@ def hf_auto_worker(args: argparse.Namespace) -> dict:
         return Side('transformers tp_plan="auto"', model, hf_loss, note="from_pretrained(dir, tp_plan='auto')")
     hf_auto.side_name = 'transformers tp_plan="auto"'
 
-    results = [
-        run_side(make, steps=args.steps, warmup=args.warmup, lr=args.lr)
-        for make in (ours(True), ours(False), hf_auto)
-    ]
+    results = run_sides([ours(True), ours(False), hf_auto], steps=args.steps, warmup=args.warmup, lr=args.lr)
     return {"config": vars(args), "single_device_loss": reference, "results": results}
 
 
