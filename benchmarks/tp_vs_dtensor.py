@@ -308,12 +308,12 @@ def run_sides(makers: list[Callable[[], Side]], *, steps: int, warmup: int, lr: 
 def sptransform_graph_counts(pm, tp: int) -> dict:
     """Collectives per step as sptransform's own graph states them (count and bytes)."""
     from sptransform.collectives import sync_grads
-    from sptransform.explain import _FORWARD_BACKWARD, collective_bytes, collective_counts, collective_nodes
+    from sptransform.explain import COLLECTIVE_DIRECTIONS, collective_bytes, collective_counts, collective_nodes
 
     gm = pm._last.gm
     nbytes = 0
     for node in collective_nodes(gm):
-        directions = sum(1 for d in _FORWARD_BACKWARD[node.target] if d != "-")
+        directions = sum(len(kinds) for kinds in COLLECTIVE_DIRECTIONS[node.target])
         nbytes += directions * collective_bytes(node, tp)
     buckets = [n for n in collective_nodes(gm) if n.target is sync_grads]
     return {

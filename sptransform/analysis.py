@@ -246,17 +246,21 @@ def trace_region(
     x = row.input
     order = list(graph.nodes)
     position = {n: i for i, n in enumerate(order)}
-    pending: dict[fx.Node, DimShard] = {x: whole(len(shape_of(x)) - 1, shape_of(x)[-1])}
+    pending: dict[fx.Node, DimShard] = {}
     chunk_pending: dict[fx.Node, dict[int, DimShard]] = defaultdict(dict)
     specs: dict[fx.Node, object] = {}
     columns: dict[fx.Node, DimShard] = {}
     cuts: list[tuple[fx.Node, DimShard]] = []
 
     def require(node: fx.Node, spec: DimShard) -> None:
+        for _, length in spec.segments:
+            if length % tp:
+                raise ShardingError(f"{describe(node)}: a span of {length} along dim {spec.dim} cannot be split over tp={tp}")
         if node in pending and pending[node] != spec:
             raise ShardingError(f"{describe(node)} is needed split in two different ways")
         pending[node] = spec
 
+    require(x, whole(len(shape_of(x)) - 1, shape_of(x)[-1]))
     for node in reversed(order[: position[x] + 1]):
         if is_split(node) and node in chunk_pending:
             spec = split_input_spec(node, chunk_pending.pop(node))
@@ -370,22 +374,27 @@ def analyze(captured: CapturedGraph, tp: int) -> ModelAnalysis:
 
 def _divisibility_message(graph, lm, linears, derived, tp, structure: Region, err) -> str:
     workable = []
-    for candidate in (1, 2, 3, 4, 6, 8, 12, 16, 32, 64):
+    for candidate in range(1, 65):
         try:
             trace_region(graph, lm, linears, derived, candidate)
             workable.append(candidate)
         except ShardingError:
             pass
-    what = f"{structure.kind} block of layer {_layer_hint(graph, structure)}"
     return (
-        f"tp={tp} cannot split the {what}: {err}. "
-        f"Use tp in {{{', '.join(map(str, workable))}}}."
+        f"tp={tp} does not divide the {_sizes(structure)} of the {structure.kind} block whose output "
+        f"projection is {structure.row.weight_name!r} ({err}); use tp in {{{', '.join(map(str, workable))}}}"
     )
 
 
-def _layer_hint(graph, region: Region) -> str:
-    position = {n: i for i, n in enumerate(graph.nodes)}
-    return f"at {region.row.weight_name!r}" if region.row.weight_name else str(position[region.row.node])
+def _sizes(region: Region) -> str:
+    """What the split must divide, in the user's words: heads or MLP width."""
+    for node in region.specs:
+        if packet(node) is aten.scaled_dot_product_attention:
+            q, k = node.args[:2]
+            return f"{shape_of(q)[-3]} attention heads / {shape_of(k)[-3]} K/V heads"
+        if packet(node) in (aten.softmax, aten._softmax):
+            return f"{shape_of(node)[-3]} attention heads (or their K/V heads)"
+    return f"MLP width {region.row.in_features}"
 
 
 def _query_length(regions: list[Region]) -> int | None:

@@ -5,23 +5,30 @@ from __future__ import annotations
 import torch
 
 from .collectives import copy_to_tp, gather_output, gather_seq, reduce_from_tp, scatter_seq, sync_grads
+from .ops import vocab_parallel_cross_entropy
 
-_FORWARD_BACKWARD = {
-    copy_to_tp: ("-", "all-reduce"),
-    reduce_from_tp: ("all-reduce", "-"),
-    gather_seq: ("all-gather", "reduce-scatter"),
-    scatter_seq: ("reduce-scatter", "all-gather"),
-    gather_output: ("all-gather", "-"),
-    sync_grads: ("-", "all-reduce (bucket)"),
+COLLECTIVE_DIRECTIONS: dict = {
+    # graph op: (collectives its forward runs, collectives its backward runs)
+    copy_to_tp: ((), ("all-reduce",)),
+    reduce_from_tp: (("all-reduce",), ()),
+    gather_seq: (("all-gather",), ("reduce-scatter",)),
+    scatter_seq: (("reduce-scatter",), ("all-gather",)),
+    gather_output: (("all-gather",), ()),
+    sync_grads: ((), ("all-reduce",)),
+    # row max, sum of exponentials, target logit: three small all-reduces over [tokens]
+    vocab_parallel_cross_entropy: (("all-reduce",) * 3, ()),
 }
 
 
 def collective_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _FORWARD_BACKWARD]
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVE_DIRECTIONS]
 
 
 def collective_bytes(node: torch.fx.Node, tp: int) -> int:
-    """Bytes of the full (all-gathered / pre-reduction) tensor a collective moves per call."""
+    """Bytes of the full (all-gathered / pre-reduction) tensor one call moves."""
+    if node.target is vocab_parallel_cross_entropy:
+        logits = node.args[0].meta["val"]
+        return int(logits.numel() // logits.shape[-1] * logits.element_size())
     if node.target is sync_grads:
         return sum(a.meta["val"].numel() * a.meta["val"].element_size() for a in node.args[1:])
     val = node.meta.get("val")
@@ -34,10 +41,9 @@ def collective_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
     """Collectives per forward+backward, by kind, read from the graph."""
     counts: dict[str, int] = {}
     for node in collective_nodes(gm):
-        for kind in _FORWARD_BACKWARD[node.target]:
-            if kind != "-":
-                kind = kind.replace(" (bucket)", "")
-                counts[kind] = counts.get(kind, 0) + 1
+        forward, backward = COLLECTIVE_DIRECTIONS[node.target]
+        for kind in forward + backward:
+            counts[kind] = counts.get(kind, 0) + 1
     return counts
 
 
@@ -63,8 +69,8 @@ def explain(graph, options) -> str:
         lines.append(f"  {name:<50} replicated, gradient summed in bucket of layer {layer}")
     lines.append("collectives (forward / backward, bytes of the full tensor per call):")
     for node in collective_nodes(graph.gm):
-        fwd, bwd = _FORWARD_BACKWARD[node.target]
-        lines.append(f"  {node.name:<28} {node.target.__name__:<15} fwd {fwd:<15} bwd {bwd:<20} {collective_bytes(node, options.tp):>12,} B")
+        fwd, bwd = (" + ".join(k) or "-" for k in COLLECTIVE_DIRECTIONS[node.target])
+        lines.append(f"  {node.name:<28} {node.target.__name__:<28} fwd {fwd:<15} bwd {bwd:<15} {collective_bytes(node, options.tp):>12,} B")
     counts = collective_counts(graph.gm)
     lines.append("per step: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
     lines.extend(f"note: {n}" for n in plan.notes)
