@@ -356,7 +356,8 @@ def analyze(captured: CapturedGraph, tp: int) -> ModelAnalysis:
     embeddings = find_embeddings(captured)
     vocab = head.out_features if head else None
     vocab_embeddings = [
-        e for e in embeddings if head is not None and (e.weight is head.weight or e.num_embeddings == vocab)
+        e for e in embeddings
+        if head is not None and (e.weight is head.weight or (e.num_embeddings == vocab and _reads_user_ids(e, captured)))
     ]
     dropouts = [n for n in graph.nodes if packet(n) is aten.dropout]
     return ModelAnalysis(
@@ -370,6 +371,14 @@ def analyze(captured: CapturedGraph, tp: int) -> ModelAnalysis:
         norms=find_norms(graph),
         dropouts=dropouts,
     )
+
+
+def _reads_user_ids(embedding: EmbeddingMatch, captured: CapturedGraph) -> bool:
+    """Token ids come from a user input (maybe reshaped); positions are made in the graph."""
+    node = embedding.node.args[1]
+    while node.op == "call_function" and packet(node) in (aten.view, aten.reshape, aten.to, aten._to_copy, aten.contiguous):
+        node = node.args[0]
+    return node in captured.user_placeholders
 
 
 def _divisibility_message(graph, lm, linears, derived, tp, structure: Region, err) -> str:

@@ -8,6 +8,7 @@ passes is ``build_parallel_graph``, read top to bottom.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -97,6 +98,8 @@ class ParallelModule(nn.Module):
         self._device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
         with maybe_disable_local_tensor_mode():
             self._template = FakeTemplate(model, self._device)
+        self._call_defaults = _call_defaults(model)
+        example_kwargs = {**self._call_defaults, **example_kwargs}
         seed = options.seed if options.seed is not None else torch.initial_seed()
         rank = None if mesh is None or _simulated() else mesh.get_local_rank()
         self._generators = register_generators(RankGenerators(seed, options.tp, rank))
@@ -137,8 +140,14 @@ class ParallelModule(nn.Module):
             return param
         placement = placement_of(self._placements.get(name, ParamPlacement(None, "replicated")).spec)
         if param.device.type == "meta":
-            local_shape = _local_shape(param.shape, placement, self._mesh)
-            local = torch.empty(local_shape, dtype=param.dtype, device=self._device)
+            tp = self._options.tp
+
+            def make(rank: int) -> torch.Tensor:
+                shape = _local_shape(param.shape, placement, tp, rank)
+                return torch.empty(shape, dtype=param.dtype, device=self._device)
+
+            mode = local_tensor_mode()
+            local = mode.rank_map(make) if mode is not None else make(self._mesh.get_local_rank())
             dtensor = DTensor.from_local(local, self._mesh, [placement], run_check=False, shape=param.shape, stride=param.stride())
         else:
             dtensor = self._distribute(param.detach(), placement)
@@ -166,6 +175,7 @@ class ParallelModule(nn.Module):
     # -- running ------------------------------------------------------------
 
     def forward(self, *args, **kwargs):
+        kwargs = {**self._call_defaults, **kwargs}
         key = input_signature(args, kwargs)
         graph = self._graphs.get(key)
         if graph is None:
@@ -216,15 +226,24 @@ class ParallelModule(nn.Module):
         return explain(self._last, self._options)
 
 
+def _call_defaults(model: nn.Module) -> dict:
+    """Keyword inputs set unless the caller sets them: ``use_cache=False`` for models that
+    take it (HF), since a KV cache of split heads is not something a training step returns."""
+    parameters = inspect.signature(model.forward).parameters
+    return {"use_cache": False} if "use_cache" in parameters else {}
+
+
 def _simulated() -> bool:
     return local_tensor_mode() is not None
 
 
-def _local_shape(shape, placement, mesh) -> list[int]:
+def _local_shape(shape, placement, tp: int, rank: int) -> list[int]:
+    """This rank's shard shape, with torch.chunk's rule for uneven splits (as DTensor)."""
     local = list(shape)
     if isinstance(placement, (Shard, _StridedShard)):
-        n = mesh.size()
-        local[placement.dim] = -(-shape[placement.dim] // n)
+        size = shape[placement.dim]
+        chunk = -(-size // tp)
+        local[placement.dim] = max(0, min(chunk, size - rank * chunk))
     return local
 
 

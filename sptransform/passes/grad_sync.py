@@ -11,7 +11,7 @@ rank's share of its gradient. This pass routes each such parameter through one
 
 Which parameters, and their layer, is read from dataflow (``sptransform_spec`` and
 ``sptransform_cut_of`` metadata); the layer of a parameter is that of the first
-row-parallel linear after its first use.
+row-parallel linear after its first use (a row-parallel bias: its linear's layer).
 """
 
 from __future__ import annotations
@@ -38,10 +38,13 @@ def bucket_replicated_grads(gm: fx.GraphModule, plan: ParallelPlan, row_layers: 
         return gm
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     rows = sorted((position[r], layer) for r, layer in row_layers)
+    exit_bias_layer = {e.bias: e.layer for e in plan.exits if e.bias is not None}
     buckets: dict[int, list[fx.Node]] = defaultdict(list)
     for param in sorted(needing, key=lambda p: position[p]):
         first_use = min(position[u] for u in param.users)
-        layer = next((layer for pos, layer in rows if pos > first_use), len(rows) and rows[-1][1] + 1)
+        layer = exit_bias_layer.get(param)
+        if layer is None:
+            layer = next((layer for pos, layer in rows if pos > first_use), len(rows) and rows[-1][1] + 1)
         buckets[layer].append(param)
         plan.sync_params[params[param]] = layer
     for layer, members in sorted(buckets.items()):

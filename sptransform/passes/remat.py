@@ -44,8 +44,9 @@ forward nodes (so a backward graph's recomputed ops can be found and counted).
 from __future__ import annotations
 
 import logging
+import math
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Literal, Sequence
 
 import networkx as nx
@@ -148,7 +149,7 @@ def analyze_joint(
     outputs = next(iter(joint.graph.find_nodes(op="output"))).args[0]
     bwd_outputs = {o for o in outputs[num_fwd_outputs:] if isinstance(o, fx.Node)}
     forward_set = set(forward)
-    needed = {n for n in forward if any(u in backward for u in n.users) or n in bwd_outputs}
+    needed = {n for n in forward if any(u in backward and u.op != "output" for u in n.users) or n in bwd_outputs}
     regions = classify_regions(joint.graph, state=state, outputs=outputs[:num_fwd_outputs], ignore=backward)
     required_fw = {n for n in info.required_fw_nodes if n in forward_set}
     save_bytes, cost, free, unsaveable = {}, {}, set(), set()
@@ -324,6 +325,7 @@ class MinCut:
         self.analysis, self.options = analysis, options
         self.graph = nx.DiGraph()
         self.cost_edges: dict[fx.Node, float] = {}
+        self.state_bytes: dict[fx.Node, float] = {}
         forward = set(analysis.forward)
         layers = analysis.regions.layer
         for n in analysis.forward:
@@ -334,13 +336,15 @@ class MinCut:
                 self.graph.add_edge(name_in, name_out, capacity=float(analysis.save_bytes[n]))
             if n in constraints.banned:
                 self.graph.add_edge("source", name_in)
-            elif n not in analysis.free:
+            elif n in analysis.required_fw and not is_view(n):
                 # Identical layers would tie; scaling each layer's cost a little makes
                 # them switch one at a time as lambda moves, so budgets between two
                 # per-layer choices are met by mixing layers.
                 tie_break = 1.0 + 1e-5 * ((layers.get(n) or 0) + 1)
                 self.cost_edges[n] = analysis.weighted_cost(n, options) * tie_break
                 self.graph.add_edge("source", name_in, capacity=0.0)
+                if is_random(n):  # a replay saves the generator's state instead
+                    self.state_bytes[n] = float(_rng_state_nbytes())
             for user in n.users:
                 if user in forward:
                     self.graph.add_edge(name_out, ("in", user))
@@ -350,6 +354,9 @@ class MinCut:
             self.graph.add_node("sink")
         if "source" not in self.graph:
             self.graph.add_node("source")
+        # only what can reach the backward is ever saved or recomputed (a min cut may put
+        # an unconnected node on either side)
+        self.relevant = nx.ancestors(self.graph, "sink")
         self.total_cost = sum(self.cost_edges.values())
         self.total_bytes = float(sum(analysis.save_bytes.values()))
         positive = [c for c in self.cost_edges.values() if c > 0]
@@ -360,7 +367,7 @@ class MinCut:
         if lam in self._cache:
             return self._cache[lam]
         for n, c in self.cost_edges.items():
-            self.graph["source"][("in", n)]["capacity"] = lam * c
+            self.graph["source"][("in", n)]["capacity"] = lam * c + self.state_bytes.get(n, 0.0)
         try:
             _, (source_side, _) = nx.minimum_cut(self.graph, "source", "sink", flow_func=boykov_kolmogorov)
         except nx.NetworkXUnbounded as err:
@@ -377,6 +384,8 @@ class MinCut:
         a = self.analysis
         saved, recomputed = [], []
         for n in a.forward:
+            if ("out", n) not in self.relevant:
+                continue
             if ("in", n) in source_side and ("out", n) not in source_side:
                 saved.append(n)
             elif ("in", n) not in source_side and n in a.required_fw and a.cost[n] != Cost():
@@ -392,7 +401,7 @@ class MinCut:
             replayed=[n for n in recomputed if is_random(n)],
             saved_bytes=saved_bytes,
             recompute=recompute,
-            weighted_bytes=sum(a.save_bytes[n] for n in saved),
+            weighted_bytes=sum(a.save_bytes[n] for n in saved) + sum(self.state_bytes.get(n, 0.0) for n in recomputed),
             weighted_cost=sum(self.cost_edges.get(n, 0.0) for n in recomputed),
         )
 
@@ -449,7 +458,9 @@ def plan_remat(analysis: JointAnalysis, options: RematOptions) -> RematPlan:
     constraints = policy_constraints(analysis, options)
     cut = MinCut(analysis, constraints, options)
     if options.policy != "budget":
-        plan = RematPlan(options.policy, cut.cheapest(), notes=constraints.notes)
+        # the policy fixed what may be saved and recomputed; of the rest (views, constants,
+        # mask scalings) recompute whatever saves bytes
+        plan = RematPlan(options.policy, cut.smallest(), notes=constraints.notes)
     else:
         plan = _plan_budget(analysis, cut, options, constraints.notes)
     for note in plan.notes:
@@ -461,19 +472,44 @@ def _plan_budget(analysis: JointAnalysis, cut: MinCut, options: RematOptions, no
     rng_bytes = _rng_state_nbytes()
     budget = options.budget
     if isinstance(budget, float):
-        none = MinCut(analysis, policy_constraints(analysis, RematOptions(policy="none")), options).cheapest()
+        none = MinCut(analysis, policy_constraints(analysis, RematOptions(policy="none")), options).smallest()
         budget = int(budget * none.saved_bytes)
-    hull = cut.frontier()
-    minimum = min(s.saved_bytes + rng_bytes * len(s.replayed) for s in hull)
-    fitting = [s for s in hull if s.saved_bytes + rng_bytes * len(s.replayed) <= budget]
+    # The Lagrangian hull misses the points above it (saving is all or nothing per
+    # tensor: the logits, one layer's attention). Candidates: the hull; the hull with
+    # everything outside the layers kept ("recompute inside the layers only"); and the
+    # named policies. The cheapest candidate under the budget wins.
+    layers_only = policy_constraints(analysis, options)
+    layers_only.banned |= {
+        n for n in analysis.forward
+        if analysis.regions.layer.get(n) is None and n not in analysis.free and n not in layers_only.must_recompute
+    }
+    candidates = cut.frontier() + MinCut(analysis, layers_only, options).frontier()
+    for policy in ("none", "selective", "full", "norm_upproj"):
+        named = replace(options, policy=policy, budget=None)
+        candidates.append(MinCut(analysis, policy_constraints(analysis, named), named).smallest())
+    total = {id(s): s.saved_bytes + rng_bytes * len(s.replayed) for s in candidates}
+    minimum = min(total.values())
+    fitting = [s for s in candidates if total[id(s)] <= budget]
     if not fitting:
         raise ValueError(
             f"budget={budget} bytes is below the minimum feasible budget of {minimum} bytes for this graph "
             f"(saving only inputs and RNG states and recomputing everything else); use budget >= {minimum}"
         )
     best = min(fitting, key=lambda s: (analysis_cost(s, options), s.saved_bytes))
-    notes = notes + [f"budget {budget} bytes: saving {best.saved_bytes} bytes, {len(hull)} hull points"]
-    return RematPlan("budget", best, notes=notes, frontier=hull, minimum_feasible_bytes=minimum)
+    frontier = pareto(candidates, options)
+    notes = notes + [f"budget {budget} bytes: saving {best.saved_bytes} bytes, {len(frontier)} frontier points"]
+    return RematPlan("budget", best, notes=notes, frontier=frontier, minimum_feasible_bytes=minimum)
+
+
+def pareto(solutions: list[CutSolution], options: RematOptions) -> list[CutSolution]:
+    """The solutions no other beats in both saved bytes and recompute cost, by bytes."""
+    front, best = [], math.inf
+    for s in sorted(solutions, key=lambda s: (s.saved_bytes, analysis_cost(s, options))):
+        cost = analysis_cost(s, options)
+        if cost < best:
+            front.append(s)
+            best = cost
+    return front
 
 
 def analysis_cost(solution: CutSolution, options: RematOptions) -> float:
@@ -640,11 +676,12 @@ def isolate_dropout_masks(joint: fx.GraphModule) -> int:
 def compact_bernoulli_masks(joint: fx.GraphModule) -> int:
     """Keep a float Bernoulli draw (0 or 1) as a 1-byte mask, so saving it costs a byte an element.
 
-        before:  keep = bernoulli(e, p)                   # dtype of e
-        after:   keep = bernoulli(e, p); mask = keep != 0; keep01 = mask.to(keep.dtype)
+        before:  keep = bernoulli(empty_like(x), p)          # dtype of x
+        after:   keep = bernoulli(empty(shape), p); mask = keep != 0; keep01 = mask.to(keep.dtype)
 
     Every user of ``keep`` reads ``keep01`` (bit for bit the same values); the partition
-    then saves ``mask`` and rebuilds the rest for free. Edits ``joint`` in place; returns
+    then saves ``mask`` and rebuilds the rest for free, and a replayed draw needs no
+    activation. Edits ``joint`` in place; returns
     the number of draws rewritten."""
     graph, count = joint.graph, 0
     for node in list(graph.nodes):
@@ -652,6 +689,14 @@ def compact_bernoulli_masks(joint: fx.GraphModule) -> int:
         if packet_of(node) is not aten.bernoulli or not isinstance(value, torch.Tensor) or value.dtype is torch.bool:
             continue
         users = list(node.users)
+        if node.target is aten.bernoulli.p and isinstance(node.args[0], fx.Node):
+            # bernoulli(x, p) reads only x's shape: draw from a fresh tensor, so replaying
+            # the draw needs no activation
+            with graph.inserting_before(node):
+                blank = graph.call_function(aten.empty.memory_format, (list(value.shape),),
+                                            {"dtype": value.dtype, "device": value.device})
+            blank.meta["val"] = value
+            node.replace_input_with(node.args[0], blank)
         with graph.inserting_after(node):
             mask = graph.call_function(aten.ne.Scalar, (node, 0))
         with graph.inserting_after(mask):
