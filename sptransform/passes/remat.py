@@ -417,10 +417,14 @@ class MinCut:
         """Vertices of the lower convex hull of (saved bytes, recompute cost), by bytes."""
         low, high = self.smallest(), self.cheapest()
         points = {id(low): low, id(high): high}
+        span_cost = max(low.weighted_cost - high.weighted_cost, 0.0)
+        span_bytes = max(high.weighted_bytes - low.weighted_bytes, 0.0)
         stack = [(low, high)]
         while stack and len(self._cache) < _MAX_HULL_SOLVES:
             a, b = stack.pop()
-            if a.weighted_cost <= b.weighted_cost or a.weighted_bytes >= b.weighted_bytes:
+            # vertices closer than 1e-4 of the whole range in either axis are not worth a cut
+            if (a.weighted_cost - b.weighted_cost <= 1e-4 * span_cost
+                    or b.weighted_bytes - a.weighted_bytes <= 1e-4 * span_bytes):
                 continue
             lam = (b.weighted_bytes - a.weighted_bytes) / (a.weighted_cost - b.weighted_cost)
             m = self.solve(lam)
