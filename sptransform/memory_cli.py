@@ -19,16 +19,12 @@ import json
 import re
 import time
 
-import torch
-
-from sptransform.measure.layer import Measurement, layer_flops, measure_shape
-from sptransform.measure.memory import paper_row_name
-from sptransform.measure.regions import REGIONS
-from sptransform.passes.remat import POLICIES, RematOptions
 from sptransform.planner.tables import TextTable, print_table
 from sptransform.presets import PRESETS, get_preset
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# the measuring modules (torch, AOTAutograd, networkx) load when the command runs, not when
+# the CLI builds its parsers
+DTYPES = ("bf16", "fp16", "fp32")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -41,7 +37,10 @@ def register(subparsers) -> None:
     parser.add_argument("--model", required=True, help=f"a preset ({', '.join(sorted(PRESETS))}) or a HF config.json")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
-    parser.add_argument("--recompute", default="none", help=f"one of {', '.join(POLICIES)} (default none)")
+    parser.add_argument("--recompute", default="none",
+                        help="none, selective, full, norm_upproj or budget (default none)")
+    parser.add_argument("--recompute-collectives", action="store_true",
+                        help="let recomputation re-run collectives (Megatron's full recompute does)")
     parser.add_argument("--budget", help="for --recompute budget: bytes per rank (e.g. 12GiB) or a fraction of 'none'")
     parser.add_argument("--seq", type=int, help="sequence length (default: the model's)")
     parser.add_argument("--batch", type=int, help="micro-batch (default: the paper's for its models, else 1)")
@@ -63,13 +62,20 @@ def parse_budget(text: str | None) -> int | float | None:
 
 
 def run(args) -> int:
+    import torch
+
+    from sptransform.measure.layer import layer_flops, measure_shape
+    from sptransform.passes.remat import RematOptions
+
     shape = get_preset(args.model)
     if args.dtype not in DTYPES:
         raise ValueError(f"--dtype={args.dtype!r}: use one of {list(DTYPES)}")
-    options = RematOptions(policy=args.recompute, budget=parse_budget(args.budget))
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    options = RematOptions(policy=args.recompute, budget=parse_budget(args.budget),
+                           recompute_collectives=args.recompute_collectives)
     batch = args.batch or shape.paper_layout.get("micro_batch", 1)
     start = time.perf_counter()
-    measured = measure_shape(shape, options=options, seq=args.seq, batch=batch, dtype=DTYPES[args.dtype],
+    measured = measure_shape(shape, options=options, seq=args.seq, batch=batch, dtype=dtype,
                              tp=args.tp, sp=args.sp, num_layers=2)
     flops = layer_flops(measured)
     elapsed = time.perf_counter() - start
@@ -81,8 +87,11 @@ def run(args) -> int:
     return 0
 
 
-def summarize(m: Measurement, flops, elapsed: float) -> dict:
-    """Everything the command prints, as plain values."""
+def summarize(m, flops, elapsed: float) -> dict:
+    """Everything the command prints, as plain values (``m``: a ``Measurement``)."""
+    from sptransform.measure.memory import paper_row_name
+    from sptransform.measure.regions import REGIONS
+
     per_layer = m.memory.per_layer()
     paper = m.paper()
     s, h = m.seq, m.shape.hidden
@@ -115,6 +124,8 @@ def _gib(x: float) -> str:
 
 
 def print_report(r: dict) -> None:
+    from sptransform.measure.regions import REGIONS
+
     sbh = r["sbh"]
     paper = r["paper_per_layer_bytes"] or {}
     rows = []

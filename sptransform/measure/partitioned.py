@@ -10,7 +10,7 @@ graph module, including one that holds functional collectives.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import torch
@@ -19,7 +19,16 @@ import torch.nn as nn
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
-from sptransform.passes.remat import JointAnalysis, RematOptions, RematPlan, remat_partition, tag_forward
+from sptransform.passes.remat import (
+    CutSolution,
+    JointAnalysis,
+    RematOptions,
+    RematPlan,
+    apply_plan,
+    plan_remat,
+    remat_partition,
+    tag_forward,
+)
 
 from .flops import FlopsReport, flops_report
 from .memory import MemoryReport, memory_report
@@ -47,6 +56,18 @@ class Partitioned:
 
     def flops(self) -> FlopsReport:
         return flops_report(self.joint, self.forward, self.backward)
+
+    def replan(self, options: RematOptions | None = None, *, solution: CutSolution | None = None) -> "Partitioned":
+        """The same joint graph partitioned again, with other options or a given cut (no new trace).
+        ``compiled`` is ``None`` on the result: it is for measuring."""
+        if self.analysis is None:
+            raise ValueError("replan needs a graph partitioned by sptransform (options=), not by torch")
+        if solution is not None:
+            plan = RematPlan("budget", solution)
+        else:
+            plan = plan_remat(self.analysis, options)
+        fw, bw = apply_plan(self.analysis, plan)
+        return replace(self, forward=fw, backward=bw, plan=plan, compiled=None)
 
 
 class _TupleOutput(nn.Module):

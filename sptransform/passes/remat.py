@@ -43,6 +43,7 @@ forward nodes (so a backward graph's recomputed ops can be found and counted).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import operator
@@ -54,6 +55,7 @@ import torch
 import torch.fx as fx
 from networkx.algorithms.flow import boykov_kolmogorov
 from torch._functorch import partitioners as torch_partitioners
+from torch._guards import detect_fake_mode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from sptransform.measure.flops import FORWARD_TAG, Cost, node_cost
@@ -74,6 +76,7 @@ aten = torch.ops.aten
 RematPolicy = Literal["none", "selective", "full", "norm_upproj", "budget"]
 POLICIES: tuple[RematPolicy, ...] = ("none", "selective", "full", "norm_upproj", "budget")
 _MAX_HULL_SOLVES = 400
+_MAX_FILL_STEPS = 64
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -473,7 +476,6 @@ def plan_remat(analysis: JointAnalysis, options: RematOptions) -> RematPlan:
 
 
 def _plan_budget(analysis: JointAnalysis, cut: MinCut, options: RematOptions, notes: list[str]) -> RematPlan:
-    rng_bytes = _rng_state_nbytes()
     budget = options.budget
     if isinstance(budget, float):
         none = MinCut(analysis, policy_constraints(analysis, RematOptions(policy="none")), options).smallest()
@@ -491,18 +493,91 @@ def _plan_budget(analysis: JointAnalysis, cut: MinCut, options: RematOptions, no
     for policy in ("none", "selective", "full", "norm_upproj"):
         named = replace(options, policy=policy, budget=None)
         candidates.append(MinCut(analysis, policy_constraints(analysis, named), named).smallest())
-    total = {id(s): s.saved_bytes + rng_bytes * len(s.replayed) for s in candidates}
-    minimum = min(total.values())
-    fitting = [s for s in candidates if total[id(s)] <= budget]
-    if not fitting:
+    minimum = min(_with_states(s) for s in candidates)
+    best = best_within_budget(analysis, candidates, budget, options)
+    if best is None:
         raise ValueError(
             f"budget={budget} bytes is below the minimum feasible budget of {minimum} bytes for this graph "
             f"(saving only inputs and RNG states and recomputing everything else); use budget >= {minimum}"
         )
-    best = min(fitting, key=lambda s: (analysis_cost(s, options), s.saved_bytes))
     frontier = pareto(candidates, options)
     notes = notes + [f"budget {budget} bytes: saving {best.saved_bytes} bytes, {len(frontier)} frontier points"]
     return RematPlan("budget", best, notes=notes, frontier=frontier, minimum_feasible_bytes=minimum)
+
+
+def best_within_budget(
+    analysis: JointAnalysis, candidates: list[CutSolution], budget: int, options: RematOptions
+) -> CutSolution | None:
+    """The cheapest candidate that fits ``budget`` (RNG states included), filled up greedily."""
+    fitting = [s for s in candidates if _with_states(s) <= budget]
+    if not fitting:
+        return None
+    best = min(fitting, key=lambda s: (analysis_cost(s, options), s.saved_bytes))
+    return fill_budget(analysis, best, budget, options)
+
+
+def fill_budget(analysis: JointAnalysis, start: CutSolution, budget: int, options: RematOptions) -> CutSolution:
+    """Greedy knapsack from a cut under the budget: save one more recomputed value at a time (the
+    one that removes the most recompute per byte added) while the budget allows; the points
+    between two hull vertices that no lambda reaches."""
+    current = start
+    for _ in range(_MAX_FILL_STEPS):
+        best, best_gain = None, 0.0
+        for node in _save_moves(analysis, current):
+            trial = solution_from_saved(analysis, set(current.saved) | {node})
+            extra = _with_states(trial) - _with_states(current)
+            saved_cost = analysis_cost(current, options) - analysis_cost(trial, options)
+            if _with_states(trial) > budget or saved_cost <= 0:
+                continue
+            gain = saved_cost / max(extra, 1)
+            if gain > best_gain:
+                best, best_gain = trial, gain
+        if best is None:
+            break
+        current = best
+    return current
+
+
+def _save_moves(analysis: JointAnalysis, solution: CutSolution) -> list[fx.Node]:
+    """Recomputed values that could be saved instead: saveable outputs of recomputed ops (a
+    multi-output op, such as a replayed dropout, through its items)."""
+    moves = []
+    for node in solution.recomputed:
+        if not analysis.weighted_cost(node, RematOptions()):
+            continue
+        outputs = [u for u in node.users if u.target is operator.getitem] if node in analysis.unsaveable else [node]
+        moves += [o for o in outputs if not is_view(o) and o in analysis.save_bytes and o not in analysis.unsaveable]
+    return moves
+
+
+def _with_states(solution: CutSolution) -> int:
+    return solution.saved_bytes + _rng_state_nbytes() * len(solution.replayed)
+
+
+def solution_from_saved(analysis: JointAnalysis, saved: set[fx.Node]) -> CutSolution:
+    """The cut that saves ``saved`` (those the backward still reads) and recomputes the rest it needs."""
+    forward = set(analysis.forward)
+    used, recomputed, stack = set(), set(), list(analysis.needed_by_backward)
+    while stack:
+        node = stack.pop()
+        if node in saved:
+            used.add(node)
+        elif node not in recomputed:
+            recomputed.add(node)
+            stack.extend(p for p in node.all_input_nodes if p in forward)
+    recomputed_work = [n for n in analysis.forward if n in recomputed and n in analysis.required_fw
+                       and analysis.cost[n] != Cost()]
+    roots = {storage_root(n) for n in used}
+    total = Cost()
+    for n in recomputed_work:
+        total = total + analysis.cost[n]
+    return CutSolution(
+        saved=[n for n in analysis.forward if n in used],
+        recomputed=recomputed_work,
+        replayed=[n for n in recomputed_work if is_random(n)],
+        saved_bytes=sum(storage_nbytes(r) for r in roots if r not in analysis.regions.state),
+        recompute=total,
+    )
 
 
 def pareto(solutions: list[CutSolution], options: RematOptions) -> list[CutSolution]:
@@ -530,11 +605,15 @@ def _rng_state_nbytes() -> int:
 
 
 def apply_plan(analysis: JointAnalysis, plan: RematPlan) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """Build the forward and backward graph modules for ``plan`` (the rewrite step)."""
+    """Build the forward and backward graph modules for ``plan`` (the rewrite step). The joint
+    graph is only tagged, so one analysis can be applied with several plans."""
     joint = analysis.joint
     for n in analysis.required_fw:
         n.meta[FORWARD_TAG] = True
     default_rng = [n for n in plan.solution.replayed if not _own_generator(n)]
+    for n in analysis.forward:
+        if is_random(n):
+            n.meta.pop("recompute", None)  # a previous plan's replay tags
     for n in default_rng:
         n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     saved_sym = [n for n in plan.saved if isinstance(val(n), (torch.SymInt, torch.SymFloat, torch.SymBool))]
@@ -547,7 +626,11 @@ def apply_plan(analysis: JointAnalysis, plan: RematPlan) -> tuple[fx.GraphModule
     bw.graph.eliminate_dead_code(is_impure_node=_keeps_when_dead)
     bw.recompile()
     if default_rng:
-        fw, bw = torch_partitioners.functionalize_rng_ops(joint, fw, bw, len(saved_sym))
+        # torch reads the fake mode from the context AOTAutograd runs in; outside it (replanning
+        # an analysis), enter the graph's own
+        mode = detect_fake_mode(pytree_leaves(val(default_rng[0])))
+        with mode if mode is not None and detect_fake_mode() is None else contextlib.nullcontext():
+            fw, bw = torch_partitioners.functionalize_rng_ops(joint, fw, bw, len(saved_sym))
         for n in bw.graph.nodes:
             if n.target is torch._prims.rng_prims.run_with_rng_state:
                 n.meta[FORWARD_TAG] = True
@@ -614,8 +697,6 @@ def replay_own_generators(fw: fx.GraphModule, bw: fx.GraphModule, replayed: list
 
 
 def _fake_generator_state(node: fx.Node) -> torch.Tensor:
-    from torch._guards import detect_fake_mode
-
     size = torch.Generator().get_state().numel()
     mode = detect_fake_mode([v for v in pytree_leaves(val(node)) if isinstance(v, torch.Tensor)])
     if mode is None:
