@@ -10,11 +10,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from sptransform import memory_cli, schedule_cli
 from sptransform.planner import flops_command, plan_command
 
 SUBCOMMANDS = (
     plan_command,
     flops_command,
+    memory_cli,
+    schedule_cli,
 )
 
 
