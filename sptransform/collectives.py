@@ -25,6 +25,12 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 
+def _resolve(group: str) -> torch.distributed.ProcessGroup:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group)
+
+
 def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
 

@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 
 from .analysis import ModelAnalysis, analyze
 from .api import ParallelOptions
+from .collectives import _resolve
 from .capture import CapturedGraph, FakeTemplate, capture, input_signature
 from .ops import RankGenerators, register_generators
 from .passes.dropout import shard_dropout
@@ -53,7 +54,9 @@ def build_parallel_graph(
         return ParallelGraph(captured, None, None)  # nothing to split: the captured graph runs as is
     analysis = analyze(captured, options.tp)
     gm = captured.gm
-    plan = shard_linears(gm, analysis, tp=options.tp, sp=options.sp, group=group)
+    # A real rank's graph may be specialized on its rank; one serving simulated ranks may not.
+    static_rank = None if local_tensor_mode() is not None else _resolve(group).rank()
+    plan = shard_linears(gm, analysis, tp=options.tp, sp=options.sp, group=group, static_rank=static_rank)
     if options.sp:
         if analysis.seq_len is None:
             raise ValueError("sp=True needs an attention to find the sequence dim; none was found: pass sp=False")

@@ -38,18 +38,21 @@ def pad_last(w: torch.Tensor, cols: int) -> torch.Tensor:
     return F.pad(w, (0, cols - w.shape[-1]))
 
 
-def narrow_vocab(logits: torch.Tensor, rank: torch.Tensor, per_rank: int, vocab: int) -> torch.Tensor:
-    """Drop the padded vocab columns of this rank's logits (uneven split at the end)."""
-    valid = min(per_rank, vocab)
-    if vocab % per_rank == 0:
-        return logits
-    mode = local_tensor_mode()
-    if mode is not None:
+def narrow_vocab(logits: torch.Tensor, per_rank: int, vocab: int, rank: int | None) -> torch.Tensor:
+    """Drop the padded vocab columns of this rank's logits (an uneven split leaves the
+    last ranks fewer real columns). The width depends on the rank, so a real rank's graph
+    carries it as a constant (nothing for torch.compile to break on); simulated ranks
+    (``rank=None``) each cut their own."""
+
+    def width(r: int) -> int:
+        return max(0, min(per_rank, vocab - r * per_rank))
+
+    if rank is None:
         from torch.distributed._local_tensor import tensor_map
 
-        return tensor_map(logits, lambda r, t: t[..., : max(0, min(per_rank, vocab - r * per_rank))])
-    r = int(rank)
-    return logits[..., : max(0, min(valid, vocab - r * per_rank))]
+        return tensor_map(logits, lambda r, t: t[..., : width(r)])
+    keep = width(rank)
+    return logits if keep == per_rank else logits[..., :keep]
 
 
 def vocab_parallel_embedding(

@@ -40,6 +40,7 @@ class ParallelPlan:
     sp: bool
     group: str
     rank: fx.Node
+    static_rank: int | None = None
     placements: dict[str, ParamPlacement] = field(default_factory=dict)
     entries: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
     """Activation -> the column-parallel ops that read it."""

@@ -44,6 +44,7 @@ def _worker(rank: int, world: int, port: int, cases: list[tuple[str, bool]], che
         for kind, sp in cases:  # one process group for all cases: spawning is the slow part
             _train_and_compare(kind, sp, world)
         _checkpoint_round_trip(world, checkpoint)
+        _compiles_without_graph_breaks(world)
     finally:
         dist.destroy_process_group()
 
@@ -100,6 +101,30 @@ def _checkpoint_round_trip(world: int, path: str) -> None:
     for (name, a), (_, b) in zip(saved.named_parameters(), loaded.named_parameters()):
         torch.testing.assert_close(a.full_tensor(), b.full_tensor(), msg=lambda m, n=name: f"{n}: {m}")
     torch.testing.assert_close(loaded(**batch).loss, saved(**batch).loss)
+
+
+def _compiles_without_graph_breaks(world: int) -> None:
+    """The parallel module stays traceable: torch.compile captures it as one graph (the
+    collectives are functional) and gives the eager loss."""
+    import torch._dynamo
+
+    import sptransform
+
+    from tiny_models import TinyConfig, TinyLM
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    config = TinyConfig(layers=2, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=51)  # 51: padded vocab
+    ids, targets = torch.randint(0, 51, (2, 8)), torch.randint(0, 51, (2, 8))
+    pm = sptransform.parallelize(TinyLM(config), tp=world, example_inputs=(ids, targets))
+    eager = pm(ids, targets)
+    compiled = torch.compile(pm, backend="aot_eager")(ids, targets)
+    compiled.backward()
+    torch.testing.assert_close(compiled, eager)
+    assert all(p.grad is not None for p in pm.parameters())
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
 @pytest.mark.parametrize(

@@ -61,7 +61,7 @@ def test_example_inputs_default_to_token_ids_from_the_input_embedding():
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=60, n_positions=64)
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config)
+    model = transformers.GPT2LMHeadModel(config).eval()  # no dropout: compare to the plain forward
     ids = torch.randint(0, 60, (2, 16))
     expected = model(ids).logits.detach()
     with simulated_ranks(2):

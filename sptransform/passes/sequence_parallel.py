@@ -22,7 +22,7 @@ from ..collectives import gather_output, gather_seq, scatter_seq
 from ..plan import ParallelPlan
 from ..sharding import DimShard, ShardingError, describe, output_spec_for_inputs, packet, shape_of, whole
 from .localize import localize
-from .tensor_parallel import _cut_for_users, finish_exit
+from .tensor_parallel import cut_for_users, finish_exit
 
 aten = torch.ops.aten
 
@@ -65,7 +65,7 @@ def sequence_parallel(gm: fx.GraphModule, plan: ParallelPlan, *, seq_len: int) -
         except ShardingError as err:
             raise ShardingError(f"{err}; it cannot run sequence-parallel: pass sp=False") from None
         for replicated, cut_spec in cuts:
-            _cut_for_users(gm, replicated, cut_spec, plan, users=[node])
+            cut_for_users(gm, replicated, cut_spec, plan, users=[node])
         localize(node, spec, tp)
         if spec is not None:
             specs[node] = spec

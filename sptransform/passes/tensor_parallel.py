@@ -45,9 +45,13 @@ def add_rank_input(gm: fx.GraphModule) -> fx.Node:
     return rank
 
 
-def shard_linears(gm: fx.GraphModule, analysis: ModelAnalysis, *, tp: int, sp: bool, group: str) -> ParallelPlan:
+def shard_linears(
+    gm: fx.GraphModule, analysis: ModelAnalysis, *, tp: int, sp: bool, group: str, static_rank: int | None
+) -> ParallelPlan:
+    """``static_rank``: this process's rank when the graph serves one rank only (None when it
+    serves simulated ranks); only a rank-dependent output width is specialized on it."""
     rank = add_rank_input(gm)
-    plan = ParallelPlan(tp=tp, sp=sp, group=group, rank=rank)
+    plan = ParallelPlan(tp=tp, sp=sp, group=group, rank=rank, static_rank=static_rank)
     for region in analysis.regions:
         _shard_region(gm, region, plan)
     if analysis.head is not None:
@@ -84,7 +88,7 @@ def _shard_region(gm: fx.GraphModule, region: Region, plan: ParallelPlan) -> Non
         else:
             node.meta["sptransform_spec"] = spec
     for node, spec in region.cuts:
-        _cut_for_users(gm, node, spec, plan, users=[u for u in node.users if u in region.specs or u is row.node])
+        cut_for_users(gm, node, spec, plan, users=[u for u in node.users if u in region.specs or u is row.node])
     partial = _drop_bias(gm, row)
     plan.exits.append(Exit(partial=partial, bias=row.bias, layer=region.layer))
 
@@ -104,7 +108,7 @@ def _drop_bias(gm: fx.GraphModule, row: LinearMatch) -> fx.Node:
     return node
 
 
-def _cut_for_users(gm, node: fx.Node, spec: DimShard, plan: ParallelPlan, users) -> fx.Node:
+def cut_for_users(gm, node: fx.Node, spec: DimShard, plan: ParallelPlan, users) -> fx.Node:
     """Insert ``take_local(node)`` and make ``users`` read it."""
     table_node = index_table(gm, node, spec, plan.tp)
     with gm.graph.inserting_after(table_node):
@@ -190,7 +194,7 @@ def _follow_logits(gm, start: fx.Node, spec: DimShard, plan: ParallelPlan) -> No
 def _mark_output(output: fx.Node, node: fx.Node, spec: DimShard, plan: ParallelPlan) -> None:
     flat = list(output.args[0])
     with output.graph.inserting_before(output):
-        narrowed = output.graph.call_function(narrow_vocab, (node, plan.rank, plan.vocab_per_rank, plan.vocab))
+        narrowed = output.graph.call_function(narrow_vocab, (node, plan.vocab_per_rank, plan.vocab, plan.static_rank))
     for i, value in enumerate(flat):
         if value is node:
             flat[i] = narrowed
