@@ -64,19 +64,15 @@ def shape_of(node) -> tuple[int, ...] | None:
 
 
 def describe(node: fx.Node) -> str:
-    """``aten.view.default at model.py:42 (code)`` for error messages."""
+    """``aten.view.default (node view) at model.py, line 42: code`` for error messages: the
+    innermost frame of the user's code (not torch's) that made the op."""
     target = getattr(node.target, "__name__", str(node.target))
     if isinstance(node.target, torch._ops.OpOverload):
         target = f"aten.{node.target._opname}.{node.target._overloadname}"
-    trace = node.meta.get("stack_trace") or ""
-    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
-    where = ""
-    for i in range(len(lines) - 1, -1, -1):
-        if lines[i].startswith("File "):
-            where = lines[i].replace("File ", "")
-            code = lines[i + 1] if i + 1 < len(lines) else ""
-            where = f" at {where}: {code}"
-            break
+    lines = [ln.strip() for ln in (node.meta.get("stack_trace") or "").strip().splitlines() if ln.strip()]
+    frames = [(lines[i][5:], lines[i + 1] if i + 1 < len(lines) else "") for i in range(len(lines)) if lines[i].startswith("File ")]
+    user = [f for f in frames if "/torch/" not in f[0]] or frames
+    where = f" at {user[-1][0]}: {user[-1][1]}" if user else ""
     return f"{target} (node {node.name}){where}"
 
 
@@ -157,6 +153,8 @@ def _move_through_group(spec: DimShard, src_sizes, src_pos, dst_sizes, dst_dims,
 
 def reshape_spec(spec: DimShard, src_shape, dst_shape, tp: int) -> DimShard | None:
     """Carry a split from ``src_shape`` to ``dst_shape`` across a view; None if impossible."""
+    if any(length % tp for _, length in spec.segments):
+        return None
     for src_dims, dst_dims in view_groups(src_shape, dst_shape):
         if spec.dim in src_dims:
             if not dst_dims:

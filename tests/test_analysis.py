@@ -1,0 +1,53 @@
+"""The analysis finds regions, fused-weight layouts, head, loss and vocab embeddings from
+dataflow alone, on small captured graphs."""
+
+from __future__ import annotations
+
+import torch
+
+from sptransform.analysis import analyze
+from sptransform.capture import FakeTemplate, capture
+from sptransform.sharding import DimShard, whole
+from tiny_models import SeqFirstLM, TinyConfig, TinyLM
+
+
+def _analyze(model, inputs, tp=2):
+    return analyze(capture(FakeTemplate(model, torch.device("cpu")), inputs, {}), tp)
+
+
+def _ids(shape, vocab=61):
+    return torch.randint(0, vocab, shape), torch.randint(0, vocab, shape)
+
+
+def test_attention_and_mlp_regions_with_fused_kv_and_grouped_heads():
+    config = TinyConfig(layers=2, hidden=32, heads=4, kv_heads=2, mlp="swiglu", ffn=64)
+    analysis = _analyze(TinyLM(config), _ids((2, 8)))
+    kinds = [(r.layer, r.kind) for r in analysis.regions]
+    assert kinds == [(0, "attention"), (0, "mlp"), (1, "attention"), (1, "mlp")]
+    attention, mlp = analysis.regions[:2]
+    names = {attention.column_linears[c].weight_name: s for c, s in attention.columns.items()}
+    assert names["blocks.0.attn.q.weight"] == whole(2, 32)
+    # fused [k|v] with 2 K/V heads of 8: two segments, each split per head
+    assert names["blocks.0.attn.kv.weight"] == DimShard(2, ((0, 16), (16, 16)))
+    assert {mlp.column_linears[c].weight_name for c in mlp.columns} == {"blocks.0.mlp.up.weight", "blocks.0.mlp.gate.weight"}
+    assert mlp.row.weight_name == "blocks.0.mlp.down.weight"
+    assert analysis.seq_len == 8
+
+
+def test_per_head_interleaved_qkv_needs_one_segment():
+    analysis = _analyze(SeqFirstLM(TinyConfig(hidden=32, heads=4, ffn=64)), _ids((8, 2)))
+    (spec,) = analysis.regions[0].columns.values()
+    assert spec == whole(2, 96)
+
+
+def test_head_loss_and_tied_embedding_are_found():
+    analysis = _analyze(TinyLM(TinyConfig(tied=True)), _ids((2, 8)))
+    assert analysis.head.weight_name == "head.weight"
+    assert analysis.loss is not None
+    assert [e.weight_name for e in analysis.vocab_embeddings] == ["head.weight"]
+
+
+def test_position_embedding_of_vocab_size_is_not_vocab_parallel():
+    config = TinyConfig(vocab=64, max_len=64, tied=False)  # positions table as big as the vocab
+    analysis = _analyze(TinyLM(config), _ids((2, 8), vocab=64))
+    assert [e.weight_name for e in analysis.vocab_embeddings] == ["tok.weight"]
