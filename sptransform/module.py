@@ -117,7 +117,9 @@ class ParallelModule(nn.Module):
     # -- construction -------------------------------------------------------
 
     def _build(self, args: tuple, kwargs: dict) -> ParallelGraph:
-        return build_parallel_graph(self._template, args, kwargs, self._options, self._group, self._generators)
+        graph = build_parallel_graph(self._template, args, kwargs, self._options, self._group, self._generators)
+        graph.gm.to(self._device)  # index tables the passes added live with the parameters
+        return graph
 
     def _register_state(self, model: nn.Module) -> None:
         converted: dict[int, nn.Parameter] = {}

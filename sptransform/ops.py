@@ -152,16 +152,19 @@ def reference_dropout(
 
 
 class RankGenerators:
-    """One torch.Generator per rank, seeded ``seed + rank``: masks of sharded
+    """One torch.Generator per rank and device, seeded ``seed + 1 + rank``: masks of split
     activations differ across ranks and repeat run after run."""
 
     def __init__(self, seed: int, group_size: int, rank: int | None):
         self.seed = seed
         self.rank = rank
-        self.generators = {
-            r: torch.Generator().manual_seed(seed + 1 + r)
-            for r in (range(group_size) if rank is None else [rank])
-        }
+        self._generators: dict[tuple[int, torch.device], torch.Generator] = {}
+
+    def get(self, rank: int, device: torch.device) -> torch.Generator:
+        key = (rank, device)
+        if key not in self._generators:
+            self._generators[key] = torch.Generator(device=device).manual_seed(self.seed + 1 + rank)
+        return self._generators[key]
 
 
 _RANK_GENERATORS: dict[int, RankGenerators] = {}
@@ -181,7 +184,8 @@ def independent_dropout(x: torch.Tensor, p: float, train: bool, generators: int)
     mode = local_tensor_mode()
 
     def draw(r: int, t: torch.Tensor) -> torch.Tensor:
-        keep = torch.empty(t.shape, dtype=t.dtype).bernoulli_(1 - p, generator=gens.generators[r])
+        keep = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        keep.bernoulli_(1 - p, generator=gens.get(r, t.device))
         return keep.div_(1 - p)
 
     if mode is not None:
