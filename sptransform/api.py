@@ -45,6 +45,10 @@ def parallelize(
     mesh: DeviceMesh | None = None,
     dropout_rng: Literal["independent", "reference"] = "independent",
     seed: int | None = None,
+    pp: int = 1,
+    schedule: str | None = None,
+    n_microbatches: int | None = None,
+    stages_per_rank: int | None = None,
 ) -> "nn.Module":
     """Turn an unmodified single-device ``model`` into one that trains across ``tp`` ranks
     with Megatron tensor parallelism (and sequence parallelism when ``sp``).
@@ -59,12 +63,28 @@ def parallelize(
 
     Returns a ``ParallelModule`` whose parameters are DTensors on the TP mesh under
     the original names.
+
+    Pipeline parallelism (``pp``, ``schedule``, ``n_microbatches``, ``stages_per_rank``;
+    see ``sptransform.pipeline``): with ``pp > 1``, or any of the others given, returns a
+    model trained by ``loss = model.step(*inputs, **kwargs)`` on a ``pp x tp`` mesh (a
+    ``PipelinedModule``; for ``pp=1`` a ``ParallelModule`` with ``step``). ``example_inputs``
+    is then a global batch, labels included; it is split into ``n_microbatches``
+    (default 1) along dim 0. ``schedule``: ``"gpipe"``, ``"1f1b"`` (default),
+    ``"interleaved1f1b"``, ``"looped_bfs"`` or ``"zbv"``.
     """
     from .module import ParallelModule
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallelize expects an nn.Module, got {type(model).__name__}")
     options = ParallelOptions(tp=tp, sp=sp, dropout_rng=dropout_rng, seed=seed)
+    if pp != 1 or schedule is not None or n_microbatches is not None or stages_per_rank is not None:
+        from .pipeline import PipelineOptions, pipeline_parallelize
+
+        pipeline = PipelineOptions(pp=pp, schedule=schedule or "1f1b", n_microbatches=n_microbatches or 1,
+                                   stages_per_rank=stages_per_rank)
+        args, kwargs = normalize_example_inputs(model, example_inputs, tp)
+        return pipeline_parallelize(model, options=options, pipeline=pipeline, mesh=mesh,
+                                    example_args=args, example_kwargs=kwargs)
     mesh = _resolve_mesh(options, mesh, model)
     args, kwargs = normalize_example_inputs(model, example_inputs, tp)
     return ParallelModule(model, options=options, mesh=mesh, example_args=args, example_kwargs=kwargs)

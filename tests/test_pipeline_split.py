@@ -18,7 +18,7 @@ from sptransform.capture import FakeTemplate, capture
 from sptransform.passes.pipeline_split import (
     GraphFlow, balance_layers, find_layer_boundaries, split_graph, stage_costs,
 )
-from sptransform.pipeline import find_loss_output
+from sptransform.pipeline_plan import find_loss_output
 from sptransform.pipeline_costs import measure_layer_costs
 from tiny_models import Block, TinyConfig, TinyLM
 

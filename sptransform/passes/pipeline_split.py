@@ -1,0 +1,357 @@
+"""Pipeline split: cut one forward graph into stages at transformer-layer boundaries.
+
+    before:  x1 = add(x0, mlp0(ln(x0)));  x2 = add(x1, mlp1(ln(x1)));  loss = ce(head(ln_f(x2)), y)
+    after:   stage 0 (ids)        -> x1 = add(x0, mlp0(ln(x0)))
+             stage 1 (x1; ids, y) -> loss = ce(head(ln_f(add(x1, mlp1(ln(x1))))), y)
+
+Three steps, each usable on its own:
+
+* ``find_layer_boundaries`` finds, for every layer l >= 1, the position in graph
+  order between layer l-1's last row-parallel linear and layer l's first
+  column-parallel linear (the analysis's regions and their ``layer``) where the
+  fewest bytes of activations cross; in a pre-norm transformer that is just after
+  the residual add, and one tensor (the residual stream) crosses.
+* ``balance_layers`` groups consecutive layers into stages so that the slowest
+  stage is as fast as possible; among such groupings it keeps the one with the
+  smallest peak of saved activations (a stage's bytes times the microbatches the
+  schedule keeps in flight there).
+* ``split_graph`` copies the graph into one ``GraphModule`` per stage. A stage
+  receives the tensors that cross its first cut and returns those that cross its
+  last (the last stage returns the loss). Nodes computed from user inputs,
+  buffers, constants and the rank only, with no random draw (position ids, masks,
+  rotary tables, shifted labels: *replicable* nodes), are computed again by each
+  stage that needs them rather than sent. Only what the loss depends on is kept.
+
+Reads ``node.meta["val"]`` (bytes of crossing tensors); never node names or module
+paths. The input graph is not modified.
+"""
+
+from __future__ import annotations
+
+import bisect
+import operator
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.fx as fx
+
+from ..analysis import ModelAnalysis
+from ..capture import CapturedGraph
+from ..ops import independent_dropout, reference_dropout
+
+aten = torch.ops.aten
+
+_RANDOM_PACKETS = {aten.dropout, aten.native_dropout, aten.feature_dropout, aten.alpha_dropout, aten.bernoulli,
+                   aten.rand, aten.rand_like, aten.randn, aten.randn_like, aten.randint, aten.randperm}
+
+
+@dataclass(frozen=True)
+class LayerBoundary:
+    """Where ``layer`` begins: nodes before ``position`` (graph order) run before it."""
+
+    layer: int
+    position: int
+    crossing: tuple[fx.Node, ...]
+    """Tensors computed before the cut and read after it (replicable nodes excluded)."""
+    nbytes: int
+
+
+@dataclass
+class StageGraph:
+    """One stage's graph and what it needs."""
+
+    index: int
+    gm: fx.GraphModule
+    """Placeholders: received activations, then state (by FQN), user inputs, extra inputs (the rank)."""
+    layers: range
+    received: list[str] = field(default_factory=list)
+    """Names (in the full graph) of the activations it receives, in placeholder order."""
+    sent: list[str] = field(default_factory=list)
+    """Names of the activations it returns (empty for the last stage, which returns the loss)."""
+    state_names: list[str] = field(default_factory=list)
+    user_inputs: list[int] = field(default_factory=list)
+    """Indices into the flattened user inputs."""
+    extra_inputs: list[int] = field(default_factory=list)
+    """Indices into the placeholders after the user inputs (the rank)."""
+    sent_bytes: int = 0
+
+
+class GraphFlow:
+    """The forward graph as the split sees it: placeholder kinds, what the loss needs,
+    which nodes are replicable, and where each node sits in graph order."""
+
+    def __init__(self, captured: CapturedGraph, output: fx.Node):
+        self.captured = captured
+        self.nodes = [n for n in captured.gm.graph.nodes if n.op != "output"]
+        self.position = {n: i for i, n in enumerate(self.nodes)}
+        placeholders = [n for n in self.nodes if n.op == "placeholder"]
+        num_state, num_user = len(captured.state_names), captured.num_user_inputs
+        self.state = dict(zip(placeholders[:num_state], captured.state_names))
+        self.user = {n: i for i, n in enumerate(placeholders[num_state : num_state + num_user])}
+        self.extra = {n: i for i, n in enumerate(placeholders[num_state + num_user :])}
+        self.params = {n for n, name in self.state.items() if name in captured.param_names}
+        self.output = output
+        self.needed = _ancestors(output) | {output}
+        self.replicable = self._replicable()
+        self.anchor = {n: self._anchor(n) for n in self.nodes}
+        self.last_use = self._last_uses()
+
+    def _replicable(self) -> set[fx.Node]:
+        """Nodes computed from user inputs (and buffers, constants, the rank) only, or from
+        parameters (and buffers, constants, the rank) only, with no random draw."""
+        sources: dict[fx.Node, frozenset[str]] = {}
+        free: set[fx.Node] = set()
+        for n in self.nodes:
+            if n.op == "placeholder":
+                sources[n] = frozenset({"param"} if n in self.params else {"input"} if n in self.user else ())
+                continue
+            inputs = n.all_input_nodes
+            sources[n] = frozenset().union(*(sources[a] for a in inputs)) if inputs else frozenset()
+            if n.op == "get_attr" or (
+                n.op == "call_function" and not _is_random(n) and len(sources[n]) < 2
+                and all(a in free or a.op == "placeholder" for a in inputs)
+            ):
+                free.add(n)
+        return free
+
+    def _anchor(self, n: fx.Node) -> int:
+        """A getitem sits with its (non-replicable) producer: tuples never cross a cut."""
+        while n.op == "call_function" and n.target is operator.getitem and n.args[0] not in self.replicable:
+            n = n.args[0]
+        return self.position[n]
+
+    def computed(self, n: fx.Node) -> bool:
+        """Computed by exactly one stage (not a placeholder, not replicable) and needed by the loss."""
+        return n.op == "call_function" and n not in self.replicable and n in self.needed
+
+    def _last_uses(self) -> dict[fx.Node, int]:
+        last = {}
+        for n in self.nodes:
+            if not self.computed(n):
+                continue
+            uses = [self.anchor[u] for u in n.users if u in self.needed and u.op != "output"]
+            last[n] = max(uses, default=self.anchor[n])
+        return last
+
+    def crossing(self, position: int) -> list[fx.Node]:
+        """Tensors computed before ``position`` and read at or after it."""
+        return [n for n, last in self.last_use.items() if self.anchor[n] < position <= last]
+
+    def crossing_costs(self) -> list[tuple[int, int]]:
+        """(bytes, count) of the crossing tensors at every position, by one sweep."""
+        size = len(self.nodes) + 2
+        nbytes, count = [0] * size, [0] * size
+        for n, last in self.last_use.items():
+            start = self.anchor[n] + 1
+            if start <= last:
+                b = _nbytes(n)
+                nbytes[start] += b
+                nbytes[last + 1] -= b
+                count[start] += 1
+                count[last + 1] -= 1
+        out, b, c = [], 0, 0
+        for i in range(len(self.nodes) + 1):
+            b, c = b + nbytes[i], c + count[i]
+            out.append((b, c))
+        return out
+
+    def layer_of(self, n: fx.Node, boundaries: Sequence[LayerBoundary]) -> int:
+        return bisect.bisect_right([b.position for b in boundaries], self.anchor[n])
+
+
+# ---------------------------------------------------------------------------
+# find
+
+
+def find_layer_boundaries(flow: GraphFlow, analysis: ModelAnalysis) -> list[LayerBoundary]:
+    """For each layer l >= 1, the cut between layers l-1 and l that the fewest bytes cross
+    (then the fewest tensors; then the earliest)."""
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for region in analysis.regions:
+        nodes = [region.row.node, *region.columns]
+        positions = [flow.position[n] for n in nodes if n in flow.position]
+        if not positions:
+            continue
+        first[region.layer] = min(first.get(region.layer, positions[0]), *positions)
+        last[region.layer] = max(last.get(region.layer, positions[0]), flow.position[region.row.node])
+    costs = flow.crossing_costs()
+    boundaries = []
+    for layer in range(1, analysis.num_layers):
+        lo, hi = last[layer - 1] + 1, first[layer]
+        if lo > hi:
+            raise ValueError(
+                f"layers {layer - 1} and {layer} interleave in the graph (layer {layer} starts at node "
+                f"{flow.nodes[hi].name} before layer {layer - 1} ends): the pipeline split needs layers "
+                "that run one after the other"
+            )
+        position = min(range(lo, hi + 1), key=lambda p: (costs[p], p))
+        crossing = tuple(flow.crossing(position))
+        boundaries.append(LayerBoundary(layer, position, crossing, sum(_nbytes(n) for n in crossing)))
+    return boundaries
+
+
+# ---------------------------------------------------------------------------
+# balance
+
+
+def balance_layers(
+    times: Sequence[float],
+    num_stages: int,
+    *,
+    activation_bytes: Sequence[float] | None = None,
+    inflight: Sequence[int] | None = None,
+) -> list[int]:
+    """First layer of each stage: consecutive layers grouped so that the slowest stage
+    (sum of ``times``) is as fast as possible; among those groupings, the one whose
+    largest ``stage activation bytes x inflight[stage]`` is smallest.
+
+    Dynamic programming over (stage, last layer): O(stages x layers^2)."""
+    layers = len(times)
+    if num_stages > layers:
+        raise ValueError(f"{num_stages} stages need at least {num_stages} layers; the model has {layers}")
+    memory = list(activation_bytes) if activation_bytes is not None else [0] * layers
+    inflight = list(inflight) if inflight is not None else [1] * num_stages
+    time_prefix, memory_prefix = _prefix(times), _prefix(memory)
+    inf = float("inf")
+
+    def span(prefix, i, j):
+        return prefix[j] - prefix[i]
+
+    slowest = [[inf] * (layers + 1) for _ in range(num_stages + 1)]
+    slowest[0][0] = 0
+    for s in range(1, num_stages + 1):
+        for j in range(s, layers + 1):
+            slowest[s][j] = min(max(slowest[s - 1][i], span(time_prefix, i, j)) for i in range(s - 1, j))
+    limit = slowest[num_stages][layers]
+
+    peak = [[inf] * (layers + 1) for _ in range(num_stages + 1)]
+    choice = [[-1] * (layers + 1) for _ in range(num_stages + 1)]
+    peak[0][0] = 0
+    for s in range(1, num_stages + 1):
+        for j in range(s, layers + 1):
+            for i in range(s - 1, j):
+                if peak[s - 1][i] == inf or span(time_prefix, i, j) > limit:
+                    continue
+                candidate = max(peak[s - 1][i], span(memory_prefix, i, j) * inflight[s - 1])
+                if candidate < peak[s][j]:
+                    peak[s][j], choice[s][j] = candidate, i
+    starts, j = [], layers
+    for s in range(num_stages, 0, -1):
+        j = choice[s][j]
+        starts.append(j)
+    return starts[::-1]
+
+
+def stage_costs(values: Sequence[float], starts: Sequence[int]) -> list[float]:
+    """Sum of ``values`` over each stage's layers."""
+    ends = list(starts[1:]) + [len(values)]
+    return [sum(values[a:b]) for a, b in zip(starts, ends)]
+
+
+def _prefix(values: Sequence[float]) -> list[float]:
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# split
+
+
+def split_graph(flow: GraphFlow, boundaries: Sequence[LayerBoundary], num_layers: int) -> list[StageGraph]:
+    """One ``StageGraph`` per stage; stage k runs layers [boundaries[k-1].layer, boundaries[k].layer)."""
+    cuts = [b.position for b in boundaries]
+    starts = [0] + [b.layer for b in boundaries]
+    ends = starts[1:] + [num_layers]
+    live = [[]] + [flow.crossing(c) for c in cuts] + [[]]
+    stages = []
+    for k in range(len(cuts) + 1):
+        own = [n for n in flow.nodes if flow.computed(n) and bisect.bisect_right(cuts, flow.anchor[n]) == k]
+        stages.append(_stage_graph(flow, k, own, live[k], live[k + 1], range(starts[k], ends[k]), last=k == len(cuts)))
+    return stages
+
+
+def _stage_graph(flow: GraphFlow, index: int, own: list[fx.Node], received: list[fx.Node], sent: list[fx.Node],
+                 layers: range, *, last: bool) -> StageGraph:
+    own_set = set(own)
+    replicated = _replicable_closure(flow, own)
+    inputs = {a for n in own_set | replicated for a in n.all_input_nodes}
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+
+    def placeholder(n: fx.Node) -> None:
+        env[n] = graph.placeholder(n.name)
+        env[n].meta = dict(n.meta)
+
+    for n in received:
+        placeholder(n)
+    state = [n for n in flow.state if n in inputs]
+    user = [n for n in flow.user if n in inputs]
+    extra = [n for n in flow.extra if n in inputs]
+    for n in state + user + extra:
+        placeholder(n)
+    for n in flow.nodes:
+        if n in own_set or n in replicated:
+            env[n] = graph.node_copy(n, env.__getitem__)
+    if last:
+        graph.output(env[flow.output])
+    else:
+        outs = []
+        for n in sent:
+            value = env[n]
+            if n in received:  # passes through: a fresh tensor, so each stage owns what it sends
+                value = graph.call_function(aten.clone.default, (value,))
+                value.meta = dict(n.meta)
+            outs.append(value)
+        graph.output(tuple(outs))
+    graph.lint()
+    gm = fx.GraphModule(flow.captured.gm, graph)
+    return StageGraph(
+        index=index, gm=gm, layers=layers,
+        received=[n.name for n in received], sent=[n.name for n in sent],
+        state_names=[flow.state[n] for n in state], user_inputs=[flow.user[n] for n in user],
+        extra_inputs=[flow.extra[n] for n in extra], sent_bytes=sum(_nbytes(n) for n in sent),
+    )
+
+
+def _replicable_closure(flow: GraphFlow, own: list[fx.Node]) -> set[fx.Node]:
+    """Replicable call/get_attr nodes that ``own`` reads, directly or through others."""
+    found: set[fx.Node] = set()
+    stack = [a for n in own for a in n.all_input_nodes]
+    while stack:
+        n = stack.pop()
+        if n in found or n not in flow.replicable or n.op == "placeholder":
+            continue
+        found.add(n)
+        stack.extend(n.all_input_nodes)
+    return found
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = list(node.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _is_random(node: fx.Node) -> bool:
+    target = node.target
+    if target in (independent_dropout, reference_dropout):
+        return True
+    if isinstance(target, torch._ops.OpOverload):
+        return target.overloadpacket in _RANDOM_PACKETS or torch.Tag.nondeterministic_seeded in target.tags
+    return False
+
+
+def _nbytes(node: fx.Node) -> int:
+    value = node.meta.get("val")
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    return 0

@@ -1,0 +1,339 @@
+"""Pipeline parallelism: the tensor/sequence-parallel graph cut into stages, run by torch's schedules.
+
+``parallelize(model, tp=2, pp=2, schedule="1f1b", n_microbatches=4, example_inputs=batch)``
+returns a ``PipelinedModule`` on a 2-D mesh ``pp x tp``. Its journey:
+
+    capture -> analyse -> tensor-parallel -> sequence-parallel -> dropout -> grad buckets
+            (``module.build_parallel_graph``, on one microbatch)
+    -> find layer boundaries -> measure layer costs -> balance -> split      (``pipeline_plan``)
+    -> one ``PipelineStage`` per stage of this rank, one torch schedule      (``PipelinedModule``)
+
+Each stage is a ``StageModule``: its graph runs on the local shards of the
+parameters it reads, which stay DTensors on the ``tp`` sub-mesh under their
+original names; a rank holds only its stages' parameters. Every stage receives
+the user's (microbatch) inputs as keyword inputs ``input_<i>`` and the previous
+stage's activations as positional ones; the last stage returns the loss, which
+the schedule's ``loss_fn`` divides by the number of microbatches (so gradients
+are those of the batch mean, and the schedule does not rescale them).
+
+Tied weights (an embedding and a head sharing one parameter) are never silently
+untied: when the schedule places the first and last stage on one rank (V-shaped,
+``schedule="zbv"``) both stages read the same ``nn.Parameter`` and its gradient
+accumulates; otherwise each holding rank keeps a copy and ``step`` sums their
+gradients every step (copies start equal and receive equal updates).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor, Replicate
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
+
+from .analysis import analyze
+from .api import ParallelOptions
+from .capture import CapturedGraph, FakeTemplate, input_signature
+from .module import (
+    ParallelModule, _call_defaults, _local_shape, _set_by_path, build_parallel_graph, placement_of,
+)
+from .ops import RankGenerators, register_generators
+from .passes.pipeline_split import StageGraph
+from .pipeline_plan import PipelineOptions, PipelinePlan, find_loss_output, first_microbatch, plan_pipeline
+
+
+class StageModule(nn.Module):
+    """One stage: its graph run on the local shards of the parameters it reads.
+
+    ``forward(*activations, **inputs)``: the previous stage's activations, and the
+    microbatch's tensor inputs by flat index (``input_<i>``)."""
+
+    def __init__(self, stage: StageGraph, state: dict[str, torch.Tensor], fixed_inputs: dict[int, Any],
+                 rank: torch.Tensor | None):
+        super().__init__()
+        self.index = stage.index
+        self.graph = stage.gm
+        self.params = nn.Module()
+        self._state = [state[name] for name in stage.state_names]
+        for name, value in zip(stage.state_names, self._state):
+            if isinstance(value, nn.Parameter):
+                _set_by_path(self.params, name, value, kind="parameter")
+        self._user = [(i, fixed_inputs.get(i)) for i in stage.user_inputs]
+        self._extra = [rank for _ in stage.extra_inputs]
+        self.saved_outputs: set[int] | None = None
+        """Indices of outputs whose storage this stage's autograd saves (found on the first call)."""
+
+    def forward(self, *activations, **inputs):
+        state = [v.to_local() if isinstance(v, DTensor) else v for v in self._state]
+        user = [inputs[f"input_{i}"] if fixed is None else fixed for i, fixed in self._user]
+        if self.saved_outputs is not None or not torch.is_grad_enabled():
+            return self.graph(*activations, *state, *user, *self._extra)
+        saved = set()
+
+        def pack(t):
+            saved.add(StorageWeakRef(t.untyped_storage()))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = self.graph(*activations, *state, *user, *self._extra)
+        outputs = out if isinstance(out, tuple) else (out,)
+        self.saved_outputs = {i for i, o in enumerate(outputs) if StorageWeakRef(o.untyped_storage()) in saved}
+        return out
+
+
+class _FreeingStage(PipelineStage):
+    """A ``PipelineStage`` that frees each forward output once its send is posted.
+
+    torch's schedules keep a stage's outputs in ``fwd_cache`` until that microbatch's
+    backward (only the last stage detaches them early), though backward needs only
+    their ``grad_fn`` and shape. Here the send goes from a copy, which the schedule
+    drops once it has waited on the send (1F1B: before the next send), and the
+    output's storage is released at once. Outputs the stage's own autograd saved are kept."""
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        ops = super().get_fwd_send_ops(fwd_chunk_id)
+        if self.is_last:
+            return ops
+        outputs, _ = self.fwd_cache[fwd_chunk_id]
+        assert len(ops) == len(outputs), "one send per output"
+        keep = self.submod.saved_outputs or set()
+        for index, (op, out) in enumerate(zip(ops, outputs)):
+            if index not in keep and out.untyped_storage().nbytes():
+                op.tensor = op.tensor.clone()
+                out.untyped_storage().resize_(0)
+        return ops
+
+
+class _MicrobatchMean:
+    """``loss_fn`` of the schedule: the last stage already returns the loss; dividing by the
+    number of microbatches makes the accumulated gradients those of the batch mean."""
+
+    def __init__(self, n_microbatches: int):
+        self.n = n_microbatches
+
+    def __call__(self, output, target):
+        return output / self.n
+
+
+class PipelinedModule(nn.Module):
+    def __init__(self, model: nn.Module, *, options: ParallelOptions, pipeline: PipelineOptions,
+                 mesh: DeviceMesh, example_args: tuple, example_kwargs: dict):
+        super().__init__()
+        self._options, self._pipeline, self._mesh = options, pipeline, mesh
+        tp_mesh, pp_mesh = mesh["tp"], mesh["pp"]
+        self._tp_mesh, self._pp_group = tp_mesh, pp_mesh.get_group()
+        self._pp_rank, tp_rank = pp_mesh.get_local_rank(), tp_mesh.get_local_rank()
+        self._device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+        self._call_defaults = _call_defaults(model)
+        kwargs = {**self._call_defaults, **example_kwargs}
+        self._signature = input_signature(example_args, kwargs)
+        mb_args, mb_kwargs, self._batch = first_microbatch(example_args, kwargs, pipeline.n_microbatches)
+        template = FakeTemplate(model, self._device)
+        seed = options.seed if options.seed is not None else torch.initial_seed()
+        generators = register_generators(RankGenerators(seed, options.tp, tp_rank))
+        graph = build_parallel_graph(template, mb_args, mb_kwargs, options, tp_mesh.get_group().group_name, generators)
+        graph.gm.to(self._device)  # index tables the passes added live with the parameters
+        self._graph = graph
+        self.pipeline_plan: PipelinePlan = plan_pipeline(graph, template, mb_args, mb_kwargs, pipeline)
+        self._placements = graph.plan.placements if graph.plan is not None else {}
+        self._rank = torch.tensor(tp_rank, device=self._device)
+        local = self.pipeline_plan.stages_of(self._pp_rank)
+        state = self._register_state(model, {n for s in local for n in s.state_names}, graph.captured)
+        fixed = {i: x for i, x in enumerate(pytree.tree_leaves((tuple(mb_args), dict(mb_kwargs))))
+                 if not isinstance(x, torch.Tensor)}
+        self._stage_modules = [StageModule(s, state, fixed, self._rank) for s in local]
+        self._tied_groups = self._tied_gradient_groups()
+        self._schedule = self._build_schedule()
+        self._target = torch.zeros(pipeline.n_microbatches, device=self._device)
+        self.train(model.training)
+
+    # -- construction -------------------------------------------------------
+
+    def _register_state(self, model: nn.Module, names: set[str], captured: CapturedGraph) -> dict[str, torch.Tensor]:
+        aliases: dict[int, list[str]] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(param), []).append(name)
+        params = dict(model.named_parameters(remove_duplicate=False))
+        buffers = dict(model.named_buffers(remove_duplicate=False))
+        state: dict[str, torch.Tensor] = {}
+        for name in sorted(names, key=captured.state_names.index):
+            if name in captured.constants:
+                state[name] = captured.constants[name]
+            elif name in params:
+                param = self._shard_parameter(name, params[name])
+                for alias in aliases[id(params[name])]:
+                    _set_by_path(self, alias, param, kind="parameter")
+                    state[alias] = param
+            else:
+                _set_by_path(self, name, buffers[name], kind="buffer")
+                state[name] = buffers[name]
+        return state
+
+    def _shard_parameter(self, name: str, param: nn.Parameter) -> nn.Parameter:
+        placement = self._placements.get(name)
+        placement = placement_of(placement.spec) if placement is not None else Replicate()
+        if param.device.type == "meta":
+            shape = _local_shape(param.shape, placement, self._options.tp, self._tp_mesh.get_local_rank())
+            local = torch.empty(shape, dtype=param.dtype, device=self._device)
+            dtensor = DTensor.from_local(local, self._tp_mesh, [placement], run_check=False,
+                                         shape=param.shape, stride=param.stride())
+        else:
+            from torch.distributed.tensor import distribute_tensor
+
+            dtensor = distribute_tensor(param.detach().clone(), self._tp_mesh, [placement], src_data_rank=0)
+        return nn.Parameter(dtensor, requires_grad=param.requires_grad)
+
+    def _tied_gradient_groups(self) -> list[tuple[str, dist.ProcessGroup]]:
+        """For each tied parameter held on several pipeline ranks, the group that sums its
+        gradient (one per tp coordinate). Every rank creates every group, in one order."""
+        plan, mesh = self.pipeline_plan, self._mesh.mesh
+        groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        mine = []
+        tp_rank = self._tp_mesh.get_local_rank()
+        for tied in plan.tied:
+            if tied.colocated:
+                continue
+            key = tuple(tied.ranks)
+            if key not in groups:
+                groups[key] = None
+                if list(key) == list(range(self._pipeline.pp)):
+                    groups[key] = self._pp_group
+                else:
+                    for t in range(self._options.tp):
+                        group = dist.new_group([int(mesh[r, t]) for r in key])
+                        if t == tp_rank and self._pp_rank in key:
+                            groups[key] = group
+            if self._pp_rank in key:
+                mine.append((tied.name, groups[key]))
+        return mine
+
+    def _build_schedule(self):
+        plan, spec = self.pipeline_plan, self._pipeline.spec
+        stage_class = _FreeingStage if spec.waits_each_send else PipelineStage
+        stages = [
+            stage_class(module, module.index, self._pipeline.num_stages, self._device, group=self._pp_group)
+            for module in self._stage_modules
+        ]
+        self._stages = stages
+        loss_fn = _MicrobatchMean(self._pipeline.n_microbatches)
+        n = self._pipeline.n_microbatches
+        if spec.multi:
+            return spec.torch_class(stages, n, loss_fn=loss_fn, scale_grads=False)
+        return spec.torch_class(stages[0], n, loss_fn=loss_fn, scale_grads=False)
+
+    # -- running ------------------------------------------------------------
+
+    def step(self, *args, **kwargs) -> torch.Tensor:
+        """Forward and backward of one global batch over the pipeline; returns the batch's
+        mean loss on every rank. Gradients accumulate into ``.grad`` as with ``loss.backward()``."""
+        kwargs = {**self._call_defaults, **kwargs}
+        if input_signature(args, kwargs) != self._signature:
+            raise ValueError(
+                "step() got inputs of other shapes, types or structure than the example_inputs this pipeline "
+                "was built for (shapes are fixed by the capture): pass example_inputs= shaped like your batches"
+            )
+        leaves = pytree.tree_leaves((tuple(args), dict(kwargs)))
+        named = {f"input_{i}": x for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
+        losses: list[torch.Tensor] = []
+        self._schedule.step(target=self._target, losses=losses, return_outputs=False, **named)
+        self._sum_tied_gradients()
+        return self._broadcast_loss(losses)
+
+    def _sum_tied_gradients(self) -> None:
+        with torch.no_grad():
+            for name, group in self._tied_groups:
+                param = self.get_parameter(name)
+                if param.grad is None:
+                    param.grad = DTensor.from_local(torch.zeros_like(param.to_local()), self._tp_mesh,
+                                                    param.placements, run_check=False, shape=param.shape,
+                                                    stride=param.stride())
+                dist.all_reduce(param.grad.to_local(), group=group)
+
+    def _broadcast_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        last_rank = self.pipeline_plan.stage_rank[-1]
+        if self._pp_rank == last_rank:
+            loss = torch.stack([l.detach() for l in losses]).sum()
+        else:
+            loss = torch.zeros((), device=self._device)
+        dist.broadcast(loss, src=dist.get_global_rank(self._pp_group, last_rank), group=self._pp_group)
+        return loss
+
+    def forward(self, *args, **kwargs):
+        raise TypeError("a pipelined model runs whole training steps: call .step(*inputs, **kwargs), "
+                        "which returns the loss, then optimizer.step()")
+
+    # -- inspection ---------------------------------------------------------
+
+    @property
+    def stage_modules(self) -> list[StageModule]:
+        """This rank's stages."""
+        return list(self._stage_modules)
+
+    def explain(self) -> str:
+        from .pipeline_explain import explain_pipeline
+
+        return explain_pipeline(self.pipeline_plan, self._options, self._pp_rank)
+
+
+class SteppedModule(ParallelModule):
+    """``ParallelModule`` with ``step()``: pp=1, one forward and backward of the whole batch."""
+
+    def step(self, *args, **kwargs) -> torch.Tensor:
+        out = self(*args, **kwargs)
+        graph = self._last
+        analysis = graph.analysis or analyze(graph.captured, 1)
+        loss_node = find_loss_output(graph.captured, analysis)
+        outputs = list(graph.captured.gm.graph.find_nodes(op="output")[0].args[0])
+        loss = pytree.tree_leaves(out)[outputs.index(loss_node)]
+        loss.backward()
+        return loss.detach()
+
+
+def resolve_pipeline_mesh(options: ParallelOptions, pipeline: PipelineOptions, mesh: DeviceMesh | None,
+                          device: torch.device) -> DeviceMesh:
+    """The ``pp x tp`` mesh: the one given, or one over the initialized process group."""
+    pp, tp = pipeline.pp, options.tp
+    if mesh is not None:
+        if mesh.ndim != 2 or tuple(mesh.shape) != (pp, tp) or tuple(mesh.mesh_dim_names or ()) != ("pp", "tp"):
+            raise ValueError(
+                f"mesh has shape {tuple(mesh.shape)} (axes {mesh.mesh_dim_names}) but pp={pp}, tp={tp}: pass a 2-D "
+                f"DeviceMesh of shape ({pp}, {tp}) with mesh_dim_names=('pp', 'tp')"
+            )
+        return mesh
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(
+            f"pp={pp} x tp={tp} needs a process group of {pp * tp} ranks, and none is initialized: launch with "
+            f"`torchrun --nproc-per-node {pp * tp} ...` and call torch.distributed.init_process_group() first"
+        )
+    world = dist.get_world_size()
+    if world != pp * tp:
+        raise ValueError(
+            f"pp={pp} x tp={tp} = {pp * tp} ranks, but the process group has {world}: "
+            f"choose pp and tp with pp * tp == {world}, or pass mesh= a ({pp}, {tp}) DeviceMesh"
+        )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cuda" if device.type == "cuda" else "cpu", (pp, tp), mesh_dim_names=("pp", "tp"))
+
+
+def pipeline_parallelize(model: nn.Module, *, options: ParallelOptions, pipeline: PipelineOptions,
+                         mesh: DeviceMesh | None, example_args: tuple, example_kwargs: dict) -> nn.Module:
+    """``parallelize``'s pipeline branch: a ``PipelinedModule``, or for pp=1 a ``SteppedModule``."""
+    device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    if pipeline.pp == 1:
+        from .api import _resolve_mesh
+
+        tp_mesh = _resolve_mesh(options, mesh, model)
+        return SteppedModule(model, options=options, mesh=tp_mesh, example_args=example_args,
+                             example_kwargs=example_kwargs)
+    mesh = resolve_pipeline_mesh(options, pipeline, mesh, device)
+    return PipelinedModule(model, options=options, pipeline=pipeline, mesh=mesh,
+                           example_args=example_args, example_kwargs=example_kwargs)
+
+
+__all__ = ["PipelineOptions", "PipelinePlan", "PipelinedModule", "SteppedModule", "StageModule"]

@@ -1,0 +1,201 @@
+"""Pipeline plan: options, and the graph-only planning of a pipeline (no process group).
+
+``plan_pipeline`` takes the (tensor/sequence-parallel) graph of one microbatch and
+returns where the stages begin, what each stage's graph is, where each stage runs,
+and which parameters several stages read:
+
+    find loss output -> find layer boundaries -> measure layer costs -> balance -> split
+
+The costs are measured on the single-device graph (``pipeline_costs``); the
+microbatches each stage keeps in flight come from the schedule's own action order
+(``pipeline_schedule``), so that a 1F1B first stage, which holds activations for
+up to pp microbatches, is charged for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.fx as fx
+from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+from torch.utils import _pytree as pytree
+
+from .analysis import ModelAnalysis, analyze
+from .capture import CapturedGraph, FakeTemplate, capture
+from .module import ParallelGraph
+from .passes.pipeline_split import GraphFlow, LayerBoundary, StageGraph, balance_layers, find_layer_boundaries, split_graph
+from .pipeline_costs import LayerCost, measure_layer_costs
+from .pipeline_schedule import ScheduleSpec, check_stages_per_rank, inflight, pipeline_order, schedule_spec, stage_ranks
+
+ScheduleName = Literal["gpipe", "1f1b", "interleaved1f1b", "looped_bfs", "zbv"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineOptions:
+    pp: int
+    """Pipeline-parallel degree: ranks that each hold a slice of the layers."""
+    schedule: ScheduleName = "1f1b"
+    """Torch schedule that runs the stages (see ``pipeline_schedule.SCHEDULES``)."""
+    n_microbatches: int = 1
+    """Microbatches each global batch is split into (along dim 0 of every tensor input)."""
+    stages_per_rank: int | None = None
+    """Virtual stages per rank; default 1, or 2 for multi-stage schedules."""
+
+    def __post_init__(self) -> None:
+        for name in ("pp", "n_microbatches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+            if value < 1:
+                raise ValueError(f"{name}={value} must be at least 1")
+        spec = schedule_spec(self.schedule)
+        if self.stages_per_rank is not None:
+            if isinstance(self.stages_per_rank, bool) or not isinstance(self.stages_per_rank, int):
+                raise TypeError(f"stages_per_rank must be an int, got {self.stages_per_rank!r}")
+            check_stages_per_rank(spec, self.stages_per_rank)
+        if spec.name == "interleaved1f1b":
+            rounds = max(1, self.n_microbatches // self.pp)
+            if self.n_microbatches % rounds:
+                raise ValueError(
+                    f"schedule='interleaved1f1b' with pp={self.pp} runs n_microbatches in rounds of pp; "
+                    f"n_microbatches={self.n_microbatches} is not a multiple of its {rounds} rounds: "
+                    f"use a multiple of pp={self.pp} (or fewer than {self.pp})"
+                )
+
+    @property
+    def spec(self) -> ScheduleSpec:
+        return schedule_spec(self.schedule)
+
+    @property
+    def virtual(self) -> int:
+        return self.stages_per_rank or self.spec.default_stages_per_rank
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual
+
+
+@dataclass
+class TiedParameter:
+    name: str
+    stages: list[int]
+    ranks: list[int]
+
+    @property
+    def colocated(self) -> bool:
+        return len(self.ranks) == 1
+
+
+@dataclass
+class PipelinePlan:
+    options: PipelineOptions
+    num_layers: int
+    boundaries: list[LayerBoundary]
+    """Every layer boundary found (``num_layers - 1``)."""
+    starts: list[int]
+    """First layer of each stage."""
+    stages: list[StageGraph]
+    stage_rank: list[int]
+    costs: list[LayerCost]
+    inflight: list[int]
+    tied: list[TiedParameter]
+    notes: list[str] = field(default_factory=list)
+
+    def stages_of(self, rank: int) -> list[StageGraph]:
+        return [s for s in self.stages if self.stage_rank[s.index] == rank]
+
+
+def find_loss_output(captured: CapturedGraph, analysis: ModelAnalysis) -> fx.Node:
+    """The graph output that is the loss: the cross-entropy the analysis found, or a scalar computed from it."""
+    outputs = pytree.tree_leaves(captured.gm.graph.find_nodes(op="output")[0].args[0])
+    if analysis.loss is not None:
+        for out in outputs:
+            if not isinstance(out, fx.Node):
+                continue
+            value = out.meta.get("val")
+            if out is analysis.loss or (isinstance(value, torch.Tensor) and value.dim() == 0 and _reaches(analysis.loss, out)):
+                return out
+    raise ValueError(
+        "pipeline parallelism trains on a loss the model computes, and this forward returns none "
+        "(no cross-entropy of the head's logits among its outputs): pass the labels in example_inputs "
+        "(e.g. labels= for HF models, targets for nanoGPT)"
+    )
+
+
+def _reaches(source: fx.Node, target: fx.Node) -> bool:
+    stack, seen = [target], set()
+    while stack:
+        n = stack.pop()
+        if n is source:
+            return True
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return False
+
+
+def plan_pipeline(graph: ParallelGraph, template: FakeTemplate, args: tuple, kwargs: dict,
+                  options: PipelineOptions) -> PipelinePlan:
+    """Boundaries, costs, balance and split of ``graph`` (captured on one microbatch)."""
+    captured = graph.captured
+    analysis = graph.analysis or analyze(captured, 1)
+    flow = GraphFlow(captured, find_loss_output(captured, analysis))
+    num_layers, num_stages = analysis.num_layers, options.num_stages
+    if num_layers < num_stages:
+        raise ValueError(
+            f"pp={options.pp} x stages_per_rank={options.virtual} = {num_stages} pipeline stages need at least "
+            f"{num_stages} transformer layers; the model has {num_layers}: use pp x stages_per_rank <= {num_layers}"
+        )
+    boundaries = find_layer_boundaries(flow, analysis)
+    spec = options.spec
+    ranks = stage_ranks(spec, options.pp, options.virtual)
+    held = inflight(pipeline_order(spec, options.pp, options.virtual, options.n_microbatches), num_stages)
+    costs = _layer_costs(graph, flow, boundaries, num_layers, template, args, kwargs)
+    starts = balance_layers([c.time for c in costs], num_stages,
+                            activation_bytes=[c.activation_bytes for c in costs], inflight=held)
+    stages = split_graph(flow, [boundaries[s - 1] for s in starts[1:]], num_layers)
+    tied = []
+    for name in sorted(captured.param_names):
+        users = [s.index for s in stages if name in s.state_names]
+        if len(users) > 1:
+            tied.append(TiedParameter(name, users, sorted({ranks[s] for s in users})))
+    return PipelinePlan(options, num_layers, boundaries, starts, stages, ranks, costs, held, tied)
+
+
+def _layer_costs(graph: ParallelGraph, flow: GraphFlow, boundaries, num_layers, template, args, kwargs):
+    """Costs measured on the single-device graph (the one split when tp=1, else a fresh capture)."""
+    flat = pytree.tree_leaves((tuple(args), dict(kwargs)))
+    if graph.plan is None:
+        return measure_layer_costs(flow, boundaries, num_layers, flat)
+    with maybe_disable_local_tensor_mode():
+        single = capture(template, args, kwargs)
+    analysis = analyze(single, 1)
+    single_flow = GraphFlow(single, find_loss_output(single, analysis))
+    return measure_layer_costs(single_flow, find_layer_boundaries(single_flow, analysis), num_layers, flat)
+
+
+def first_microbatch(args: tuple, kwargs: dict, n_microbatches: int) -> tuple[tuple, dict, int]:
+    """The first of ``n_microbatches`` slices along dim 0 of every tensor input, and the batch size."""
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    if not tensors:
+        raise ValueError("pipeline parallelism splits tensor inputs into microbatches, and none was given: pass example_inputs=")
+    batch = tensors[0].shape[0] if tensors[0].dim() else None
+    for x in tensors:
+        if x.dim() == 0 or x.shape[0] != batch:
+            raise ValueError(
+                f"every tensor input is split into microbatches along dim 0, so all need the same batch size; "
+                f"got shapes {[tuple(t.shape) for t in tensors]}: pass per-sample inputs with the batch first"
+            )
+    if batch % n_microbatches:
+        divisors = [d for d in range(1, batch + 1) if batch % d == 0]
+        raise ValueError(
+            f"a batch of {batch} cannot be split into n_microbatches={n_microbatches} equal microbatches: "
+            f"use n_microbatches in {set(divisors)}, or a batch that is a multiple of {n_microbatches}"
+        )
+    size = batch // n_microbatches
+    sliced = [x[:size] if isinstance(x, torch.Tensor) else x for x in leaves]
+    mb_args, mb_kwargs = pytree.tree_unflatten(sliced, spec)
+    return mb_args, mb_kwargs, batch

@@ -1,0 +1,118 @@
+"""``sptransform schedule``: a pipeline schedule's timeline per rank and its activation memory over time.
+
+    sptransform schedule --pp 4 --microbatches 8 --schedule 1f1b -o schedule.png
+    sptransform schedule --pp 4 --microbatches 8 --schedule interleaved1f1b --stages-per-rank 2
+    sptransform schedule --pp 4 --microbatches 8 --schedule zbv --backward-ratio 2
+
+Each rank runs the action list of the schedule sptransform drives (torch's
+``pipeline_order`` for multi-stage schedules; GPipe/1F1B as their
+``_step_microbatches`` run): a forward takes 1 unit of time per full model slice
+(1/v for v stages per rank), a backward ``--backward-ratio`` units (split evenly
+into input and weight gradients for zero-bubble schedules). A forward waits for
+the previous stage's forward of its microbatch, a backward for the next stage's.
+The figure draws the F/B boxes per rank, numbered by microbatch, like Figure 10 of
+Korthikanti et al., and each rank's activations held over time, in units of one
+microbatch's activations of one full slice (each forward holds 1/v until its backward).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+# torch loads when the command runs, not when the CLI builds its parsers
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "schedule", help="a pipeline schedule's per-rank timeline and activation memory over time",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.set_defaults(run=run)
+    parser.add_argument("--pp", type=int, required=True, help="pipeline ranks")
+    parser.add_argument("--microbatches", type=int, required=True, help="microbatches per step")
+    parser.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved1f1b, looped_bfs or zbv (default 1f1b)")
+    parser.add_argument("--stages-per-rank", type=int, help="virtual stages per rank (default 1, or 2 for multi-stage schedules)")
+    parser.add_argument("--backward-ratio", type=float, default=2.0, help="backward time over forward time (default 2)")
+    parser.add_argument("-o", "--output", help="write the figure here (.png, .pdf, .svg; needs matplotlib)")
+
+
+def timeline(pp: int, microbatches: int, schedule: str, stages_per_rank: int | None, backward_ratio: float):
+    """(spec, v, boxes, memory steps per rank) of one schedule."""
+    from sptransform.pipeline_schedule import (
+        check_stages_per_rank, memory_timeline, pipeline_order, schedule_spec, simulate,
+    )
+
+    for name, value in (("--pp", pp), ("--microbatches", microbatches)):
+        if value < 1:
+            raise ValueError(f"{name} {value} must be at least 1")
+    if backward_ratio <= 0:
+        raise ValueError(f"--backward-ratio {backward_ratio} must be positive")
+    spec = schedule_spec(schedule)
+    v = stages_per_rank or spec.default_stages_per_rank
+    check_stages_per_rank(spec, v)
+    order = pipeline_order(spec, pp, v, microbatches)
+    durations = {"F": 1.0 / v, "B": backward_ratio / v, "I": backward_ratio / (2 * v), "W": backward_ratio / (2 * v)}
+    boxes = simulate(order, pp * v, durations)
+    memory = memory_timeline(boxes, pp, [1.0 / v] * (pp * v))
+    return spec, v, boxes, memory
+
+
+def run(args: argparse.Namespace) -> int:
+    spec, v, boxes, memory = timeline(args.pp, args.microbatches, args.schedule, args.stages_per_rank,
+                                      args.backward_ratio)
+    makespan = max(b.end for b in boxes)
+    print(f"schedule {spec.name} ({spec.torch_class.__name__}): pp={args.pp}, {v} stage(s) per rank "
+          f"({spec.placement} placement), {args.microbatches} microbatches, backward = {args.backward_ratio:g} x forward")
+    for rank in range(args.pp):
+        mine = sorted((b for b in boxes if b.rank == rank), key=lambda b: b.start)
+        busy = sum(b.end - b.start for b in mine)
+        peak = max(level for _, level in memory[rank])
+        actions = " ".join(f"{b.action.kind}{b.action.microbatch}" + (f"@{b.action.stage}" if v > 1 else "") for b in mine)
+        print(f"  rank {rank}: busy {busy:g} of {makespan:g}, peak activations {peak:g} microbatch(es): {actions}")
+    ideal = sum(b.end - b.start for b in boxes) / args.pp
+    print(f"step time {makespan:g} (ideal {ideal:g}); bubble {1 - ideal / makespan:.1%}")
+    if args.output:
+        plot_timeline(spec.name, args.pp, v, boxes, memory, args.output)
+        print(f"wrote {args.output}")
+    return 0
+
+
+_COLORS = {"F": "#4c72b0", "B": "#55a868", "I": "#8fbc8f", "W": "#c44e52"}
+
+
+def plot_timeline(name: str, pp: int, v: int, boxes, memory, path: str) -> None:
+    try:
+        import matplotlib
+    except ImportError as error:
+        raise ValueError("-o needs matplotlib; install it with `pip install matplotlib`") from error
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    makespan = max(b.end for b in boxes)
+    figure, (top, bottom) = plt.subplots(2, 1, figsize=(max(8.0, makespan * 0.45), 1.2 + 0.9 * pp + 3),
+                                         sharex=True, gridspec_kw={"height_ratios": [pp, 3]})
+    for b in boxes:
+        y = pp - 1 - b.rank
+        chunk = b.action.stage // pp if v > 1 else 0
+        top.broken_barh([(b.start, b.end - b.start)], (y + 0.1, 0.8), facecolors=_COLORS[b.action.kind],
+                        edgecolors="black", linewidth=0.5, alpha=1.0 - 0.35 * chunk)
+        top.text((b.start + b.end) / 2, y + 0.5, str(b.action.microbatch), ha="center", va="center",
+                 fontsize=7, color="white")
+    top.set_yticks([pp - 1 - r + 0.5 for r in range(pp)], [f"rank {r}" for r in range(pp)])
+    top.set_title(f"{name}: pp={pp}, {v} stage(s) per rank (F blue, B green; I/W light green/red; "
+                  "number = microbatch)")
+    for rank, steps in enumerate(memory):
+        times = [t for t, _ in steps] + [makespan]
+        levels = [level for _, level in steps] + [steps[-1][1]]
+        bottom.step(times, levels, where="post", label=f"rank {rank}")
+    bottom.set_ylabel("activations held\n(microbatch slices)")
+    bottom.set_xlabel("time (one full-slice forward = 1)")
+    bottom.legend(fontsize=8, loc="upper right")
+    figure.tight_layout()
+    try:
+        figure.savefig(path, dpi=120)
+    except OSError as error:
+        raise ValueError(f"cannot write -o {path!r} ({error.strerror}); give a path in an existing, "
+                         "writable folder") from error
+    finally:
+        plt.close(figure)
