@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Iterable, Literal
+from typing import Iterable, Literal, get_args
 
 import torch
 import torch.fx as fx
@@ -54,16 +54,7 @@ Region = Literal[
     "embedding_head_loss",
     "constants",
 ]
-REGIONS: tuple[Region, ...] = (
-    "attention_internals",
-    "attention_projections",
-    "mlp",
-    "norms",
-    "dropout_masks",
-    "collectives",
-    "embedding_head_loss",
-    "constants",
-)
+REGIONS: tuple[Region, ...] = get_args(Region)
 
 
 @dataclass(frozen=True)

@@ -2,14 +2,14 @@
 
 Paper's layer, policy ``"selective"`` (Korthikanti et al. 2022, section 5):
 
-    before:  fw saves q, k, softmax(s), dropout mask, dropout(softmax(s)), v      (4sbh... + 5as^2b bytes)
-    after:   fw saves q, k, v and the RNG state of the attention dropout;
-             bw runs s = q @ k^T; p = softmax(mask(s * scale)); d = dropout(p)   (dropout replayed exactly)
-             just before the backward of attention-over-V needs d and p
+    before:  fw saves q, k, softmax(s), dropout mask, dropout(softmax(s)), v   (34sbh + 5as^2b a layer)
+    after:   fw saves q, k, v and the RNG state of the attention dropout;   (34sbh + 5 KiB)
+             bw runs s = q @ k^T; p = softmax(mask(s * scale)); d = dropout(p)  (dropout replayed exactly)
+             just before the backward of attention-over-V reads d and p
 
-The pass is a ``partition_fn`` for ``aot_module_simplified`` / ``aot_function``. It
-never edits the user's model; it reads the joint graph and returns new forward and
-backward graph modules. It is split in two:
+The pass is a ``partition_fn`` for ``aot_module_simplified`` / ``aot_function``
+(``remat_partition(options)``). It never edits the user's model; it reads the joint
+graph and returns new forward and backward graph modules. It is split in two:
 
 * **find** (``analyze_joint`` + ``plan_remat``): which forward values to save.
   Every policy is the same s-t min cut over the forward nodes (node ``v`` split in
@@ -18,27 +18,32 @@ backward graph modules. It is split in two:
   by the backward" edges infinite). A policy only sets which nodes may not be saved
   (``must_recompute``) and which may not be recomputed (``banned``):
 
-  - ``"none"``: nothing with a cost is recomputed (views and constants are free);
+  - ``"none"``: nothing with a cost is recomputed (views, constants and a dropout's
+    scaling of its own mask are free);
   - ``"selective"``: the attention internals between QK^T and attention-over-V may
     not be saved (explicit softmax attention only; with a fused kernel there is
     nothing materialized there and the plan's notes say so);
   - ``"full"``: nothing inside a layer may be saved except the layer inputs;
   - ``"norm_upproj"``: norms and MLP up-projections are recomputed (DeepSeek-V3);
-  - ``"budget"``: nothing is forced; the cut is solved for every lambda (the lower
-    convex hull of saved bytes against recompute cost, layers tie-broken so they
-    switch one at a time), and the cheapest hull point under the budget wins.
+  - ``"budget"``: nothing is forced. Candidates: the cut for every lambda (the lower
+    convex hull of saved bytes against recompute cost; layers tie-broken so they
+    switch one at a time), the same with everything outside the layers kept, and the
+    named policies; the cheapest candidate under the budget is then filled greedily.
 
-  Random ops are recomputed only by exact RNG replay (``run_and_save_rng_state``
-  in the forward, ``run_with_rng_state`` in the backward); with ``replay_rng=False``
-  their outputs (the masks) are saved. Collectives are never recomputed unless
-  ``recompute_collectives=True``, and then cost ``flops_per_comm_byte`` per byte.
+  Random ops are recomputed only by exact replay of their generator's state
+  (``functionalize_rng_ops`` for the default generator, ``replay_own_generators`` for
+  a generator of their own); with ``replay_rng=False`` their masks are saved.
+  Collectives are never recomputed unless ``recompute_collectives=True`` (then priced
+  at ``flops_per_comm_byte``), except SP's re-gather (``regather_sequence_shards``).
 * **rewrite** (``apply_plan``): extract the forward and backward modules around the
-  saved set, drop dead recomputation, functionalize the replayed RNG ops and order
-  the backward so recomputation happens just before use.
+  saved set, drop dead recomputation, replay the recomputed random ops and order the
+  backward so recomputation happens just before use. Before finding, two rewrites of
+  the joint graph (``isolate_dropout_masks``, ``compact_bernoulli_masks``) make masks
+  one byte and their replay independent of activations.
 
 ``node.meta``: reads ``"val"``; writes ``"recompute"`` on replayed random nodes of the
 joint graph (what torch's RNG functionalization reads) and ``FORWARD_TAG`` on its
-forward nodes (so a backward graph's recomputed ops can be found and counted).
+required forward nodes (so a backward graph's recomputed ops can be found and counted).
 """
 
 from __future__ import annotations
