@@ -43,8 +43,9 @@ def _worker(rank: int, world: int, port: int, cases: list[tuple[str, bool]], che
     try:
         for kind, sp in cases:  # one process group for all cases: spawning is the slow part
             _train_and_compare(kind, sp, world)
-        _checkpoint_round_trip(world, checkpoint)
-        _compiles_without_graph_breaks(world)
+        if world == 2:  # once is enough: these check the engine, not the layout
+            _checkpoint_round_trip(world, checkpoint)
+            _compiles_without_graph_breaks(world)
     finally:
         dist.destroy_process_group()
 
