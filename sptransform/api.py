@@ -22,8 +22,11 @@ class ParallelOptions:
     ``reference``: masks equal the single-device model's bit for bit (tests)."""
     seed: int | None = None
     """Seed of the per-rank dropout generators; default ``torch.initial_seed()``."""
-    collective_timeout_s: float = 300.0
-    """Timeout of the process group this call creates (never a hang)."""
+    recompute: str | float | int = "none"
+    """Rematerialisation of the parallel graph (``sptransform.passes.remat``): ``"none"``,
+    ``"selective"`` (attention internals), ``"full"`` (all but each layer's input),
+    ``"norm_upproj"``, or a memory budget: bytes per rank (int > 1) or a fraction of
+    ``"none"`` (float in (0, 1])."""
 
     def __post_init__(self) -> None:
         if isinstance(self.tp, bool) or not isinstance(self.tp, int):
@@ -34,6 +37,17 @@ class ParallelOptions:
             raise TypeError(f"sp must be True or False, got {self.sp!r}")
         if self.dropout_rng not in ("independent", "reference"):
             raise ValueError(f"dropout_rng={self.dropout_rng!r}: use 'independent' or 'reference'")
+        if isinstance(self.recompute, str):
+            if self.recompute not in RECOMPUTE_POLICIES:
+                raise ValueError(
+                    f"recompute={self.recompute!r} is not a policy: use one of {list(RECOMPUTE_POLICIES)} "
+                    "or a memory budget (bytes per rank, or a fraction of 'none' in (0, 1])"
+                )
+        elif isinstance(self.recompute, bool) or not isinstance(self.recompute, (int, float)) or self.recompute <= 0:
+            raise ValueError(f"recompute={self.recompute!r}: a budget must be a positive number of bytes or a fraction")
+
+
+RECOMPUTE_POLICIES = ("none", "selective", "full", "norm_upproj")
 
 
 def parallelize(
@@ -45,6 +59,7 @@ def parallelize(
     mesh: DeviceMesh | None = None,
     dropout_rng: Literal["independent", "reference"] = "independent",
     seed: int | None = None,
+    recompute: str | float | int = "none",
     pp: int = 1,
     schedule: str | None = None,
     n_microbatches: int | None = None,
@@ -62,7 +77,9 @@ def parallelize(
     (``torchrun`` + ``init_process_group``) when ``tp > 1``.
 
     Returns a ``ParallelModule`` whose parameters are DTensors on the TP mesh under
-    the original names.
+    the original names. ``recompute`` partitions the parallel graph's forward and backward
+    with ``sptransform.passes.remat`` (compiled on the first call of each input shape;
+    real ranks only: AOTAutograd cannot trace LocalTensorMode's simulated ranks).
 
     Pipeline parallelism (``pp``, ``schedule``, ``n_microbatches``, ``stages_per_rank``;
     see ``sptransform.pipeline``): with ``pp > 1``, or any of the others given, returns a
@@ -76,8 +93,10 @@ def parallelize(
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallelize expects an nn.Module, got {type(model).__name__}")
-    options = ParallelOptions(tp=tp, sp=sp, dropout_rng=dropout_rng, seed=seed)
+    options = ParallelOptions(tp=tp, sp=sp, dropout_rng=dropout_rng, seed=seed, recompute=recompute)
     if pp != 1 or schedule is not None or n_microbatches is not None or stages_per_rank is not None:
+        if recompute != "none":
+            raise ValueError(f"recompute={recompute!r} with pipeline parallelism is not supported yet: use recompute='none' with pp")
         from .pipeline import PipelineOptions, pipeline_parallelize
 
         pipeline = PipelineOptions(pp=pp, schedule=schedule or "1f1b", n_microbatches=n_microbatches or 1,

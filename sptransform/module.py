@@ -38,6 +38,8 @@ class ParallelGraph:
     captured: CapturedGraph
     analysis: ModelAnalysis | None
     plan: ParallelPlan | None
+    remat: object = None
+    """The AOTAutograd-compiled runner when ``recompute`` is not ``"none"`` (made on first call)."""
 
     @property
     def gm(self) -> fx.GraphModule:
@@ -66,6 +68,41 @@ def build_parallel_graph(
     shard_dropout(gm, plan, mode=options.dropout_rng, generators=generators)
     bucket_replicated_grads(gm, plan, [(r.row.node, r.layer) for r in analysis.regions])
     return ParallelGraph(captured, analysis, plan)
+
+
+def compile_with_remat(gm: fx.GraphModule, inputs: list, recompute, num_state: int):
+    """AOTAutograd over ``gm`` with the rematerialisation partition of ``recompute``.
+
+    Non-tensor inputs (flags such as ``use_cache``) are baked in as constants first;
+    the parameters/buffers (``gm``'s own index tables, then the ``num_state`` state
+    placeholders) are state, never activations."""
+    import copy
+
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    from .measure.partitioned import state_count
+    from .passes.remat import RematOptions, remat_partition
+
+    gm = copy.deepcopy(gm)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, inputs):
+        if not isinstance(value, torch.Tensor):
+            node.replace_all_uses_with(value) if node.users else None
+            gm.graph.erase_node(node)
+    gm.recompile()
+    policy, budget = (recompute, None) if isinstance(recompute, str) else ("budget", recompute)
+    own = state_count(gm)
+    state = list(range(own + num_state))
+
+    def compiler(graph: fx.GraphModule, _inputs):
+        return make_boxed_func(graph.forward)
+
+    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+    return aot_module_simplified(
+        gm, tensors, fw_compiler=compiler, bw_compiler=compiler,
+        partition_fn=remat_partition(RematOptions(policy=policy, budget=budget), state_indices=state),
+    )
 
 
 def placement_of(spec: DimShard | None) -> object:
@@ -193,12 +230,26 @@ class ParallelModule(nn.Module):
         state = [self._local_state(name, captured) for name in captured.state_names]
         flat_inputs = pytree.tree_leaves((tuple(args), dict(kwargs)))
         extra = [self._rank] if graph.plan is not None else []
-        outputs = captured.gm(*state, *flat_inputs, *extra)
+        inputs = [*state, *flat_inputs, *extra]
+        if self._options.recompute == "none":
+            outputs = captured.gm(*inputs)
+        else:
+            outputs = self._remat_runner(graph, inputs)(*[x for x in inputs if isinstance(x, torch.Tensor)])
         outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
         if graph.plan is not None:
             for index, (spec, size) in graph.plan.output_specs.items():
                 outputs[index] = self._as_dtensor(outputs[index], spec, size)
         return pytree.tree_unflatten(outputs, captured.out_spec)
+
+    def _remat_runner(self, graph: ParallelGraph, inputs: list):
+        if graph.remat is None:
+            if _simulated():
+                raise ValueError(
+                    f"recompute={self._options.recompute!r} needs real ranks: AOTAutograd cannot trace "
+                    "LocalTensorMode's simulated ranks; use recompute='none' in simulation"
+                )
+            graph.remat = compile_with_remat(graph.gm, inputs, self._options.recompute, len(graph.captured.state_names))
+        return graph.remat
 
     def _local_state(self, name: str, captured: CapturedGraph) -> torch.Tensor:
         if name in captured.constants:

@@ -67,6 +67,10 @@ def test_bad_option_values():
         _parallelize(TinyConfig(), 1, sp="yes")
     with pytest.raises(ValueError, match="dropout_rng='exact'"):
         _parallelize(TinyConfig(), 1, dropout_rng="exact")
+    with pytest.raises(ValueError, match=r"recompute='some' is not a policy: use one of \['none', 'selective', 'full', 'norm_upproj'\]"):
+        _parallelize(TinyConfig(), 1, recompute="some")
+    with pytest.raises(ValueError, match="recompute=-1"):
+        _parallelize(TinyConfig(), 1, recompute=-1)
 
 
 class CumsumAttention(TinyLM):

@@ -46,6 +46,7 @@ def _worker(rank: int, world: int, port: int, cases: list[tuple[str, bool]], che
         if world == 2:  # once is enough: these check the engine, not the layout
             _checkpoint_round_trip(world, checkpoint)
             _compiles_without_graph_breaks(world)
+            _recompute_policies_match_single_device(world)
     finally:
         dist.destroy_process_group()
 
@@ -126,6 +127,31 @@ def _compiles_without_graph_breaks(world: int) -> None:
     assert all(p.grad is not None for p in pm.parameters())
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def _recompute_policies_match_single_device(world: int) -> None:
+    """parallelize(..., recompute=...) partitions the parallel graph (selective, full, a
+    budget) and still gives the single-device loss and gradients."""
+    import sptransform
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=8, vocab_size=256, n_positions=64,
+                                     attn_implementation="eager", resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+    model = transformers.GPT2LMHeadModel(config).train()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 256, (2, 32))
+    ref_loss = ref(input_ids=ids, labels=ids).loss
+    ref_loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    for policy in ("selective", "full", 0.5):
+        pm = sptransform.parallelize(copy.deepcopy(model), tp=world, example_inputs=dict(input_ids=ids, labels=ids),
+                                     recompute=policy)
+        loss = pm(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
+        for name, p in pm.named_parameters():
+            torch.testing.assert_close(p.grad.full_tensor(), ref_grads[name], rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, n=name, pol=policy: f"{pol}: grad of {n}: {m}")
 
 
 @pytest.mark.parametrize(
