@@ -174,6 +174,11 @@ class ParallelModule(nn.Module):
                 if buf is None:
                     continue
                 name = f"{module_name}.{buffer_name}" if module_name else buffer_name
+                if buf.device.type == "meta":
+                    raise ValueError(
+                        f"buffer {name!r} is on the meta device: only parameters can be left there "
+                        "(their shards are allocated here); give buffers their values before parallelize"
+                    )
                 persistent = buffer_name not in module._non_persistent_buffers_set
                 _set_by_path(self, name, buf, kind="buffer", persistent=persistent)
 
