@@ -32,6 +32,8 @@ def _train_step(model, idx, seed):
     {"policy": "selective"},
     {"policy": "full"},
     {"policy": "budget", "budget": 0.25},
+    {"policy": "blocks", "blocks": ("attention",)},
+    {"policy": "blocks", "blocks": ("attention", "mlp")},
 ])
 def test_compiled_model_matches_eager(options):
     torch.manual_seed(0)

@@ -78,8 +78,9 @@ from sptransform.measure.tensors import (
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
-RematPolicy = Literal["none", "selective", "full", "norm_upproj", "budget"]
-POLICIES: tuple[RematPolicy, ...] = ("none", "selective", "full", "norm_upproj", "budget")
+RematPolicy = Literal["none", "selective", "full", "norm_upproj", "budget", "blocks"]
+POLICIES: tuple[RematPolicy, ...] = ("none", "selective", "full", "norm_upproj", "budget", "blocks")
+BlockKind = Literal["attention", "mlp"]
 _MAX_HULL_SOLVES = 400
 _MAX_FILL_STEPS = 64
 
@@ -103,10 +104,18 @@ class RematOptions:
     on graphs without such all-gathers."""
     flops_per_comm_byte: float = 1000.0
     """Recompute cost of moving one byte, in FLOPs (about an A100's FLOP/s over its NVLink B/s)."""
+    blocks: tuple[BlockKind, ...] = ()
+    """For ``policy="blocks"``: checkpoint these sublayer kinds like ``torch.utils.checkpoint``
+    of a block (save its input, recompute its body): ``("attention",)``, ``("mlp",)`` or both."""
 
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ValueError(f"unknown recompute policy {self.policy!r}; use one of {list(POLICIES)}")
+        if (self.policy == "blocks") != bool(self.blocks) or set(self.blocks) - {"attention", "mlp"}:
+            raise ValueError(
+                f"blocks={self.blocks!r} with policy={self.policy!r}: policy='blocks' takes blocks from "
+                "('attention', 'mlp'), and only it does"
+            )
         if self.policy == "budget":
             if self.budget is None:
                 raise ValueError('policy="budget" needs budget=<bytes per rank> or a fraction of "none" in (0, 1]')
@@ -234,6 +243,11 @@ def policy_constraints(analysis: JointAnalysis, options: RematOptions) -> Constr
         out.banned |= set(regions.boundaries) & set(analysis.forward)
     elif policy == "norm_upproj":
         wanted = {n for n in regions.norms if regions.layer.get(n) is not None} | regions.up_projections
+    elif policy == "blocks":
+        chosen = [sub for sub in regions.sublayers if ("attention" if sub.core is not None else "mlp") in options.blocks]
+        inputs = {sub.skip for sub in chosen}
+        wanted = {n for sub in chosen for n in sub.body} - inputs - set(regions.boundaries)
+        out.banned |= inputs & set(analysis.forward)
     wanted |= {u for n in wanted for u in n.users if u.target is operator.getitem}
     kept = {n for n in wanted if n in out.banned and n.op != "placeholder"}
     if kept:
