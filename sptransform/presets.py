@@ -42,6 +42,10 @@ class ModelShape:
     attention: Literal["explicit", "sdpa"] = "explicit"
     """``explicit``: QK^T, softmax, dropout and attention-over-V materialized
     (the paper's layer); ``sdpa``: one fused kernel."""
+    qkv_projection: Literal["fused", "separate"] = "fused"
+    """``fused``: one ``[q|k|v]`` linear (GPT-2, Megatron); ``separate``: three
+    linears (Llama). It changes what is kept when RoPE rotates Q and K: with a
+    fused projection V is a view of the fused output, so all of it stays alive."""
     dropout: float = 0.1
     bias: bool = True
     tied_embeddings: bool = True
@@ -102,6 +106,7 @@ def shape_from_hf_dict(data: dict, *, name: str = "hf-config") -> ModelShape:
         attention="sdpa" if data.get("_attn_implementation", data.get("attn_implementation")) == "sdpa" else "explicit",
         dropout=float(data.get("attn_pdrop", data.get("attention_dropout", 0.0)) or 0.0),
         bias=not is_llama_like,
+        qkv_projection="separate" if is_llama_like else "fused",
         tied_embeddings=bool(data.get("tie_word_embeddings", True)),
         **values,
     )
@@ -129,16 +134,17 @@ PRESETS: dict[str, ModelShape] = {
     "gpt2-medium": ModelShape(name="gpt2-medium", num_layers=24, hidden=1024, num_heads=16, vocab_size=50257, seq_len=1024),
     "gpt2-large": ModelShape(name="gpt2-large", num_layers=36, hidden=1280, num_heads=20, vocab_size=50257, seq_len=1024),
     "gpt2-xl": ModelShape(name="gpt2-xl", num_layers=48, hidden=1600, num_heads=25, vocab_size=50257, seq_len=1024),
-    # A Llama-style model (RMSNorm, RoPE, SwiGLU, GQA, fused attention, untied head, no dropout).
+    # Llama-style models (RMSNorm, RoPE, SwiGLU, GQA, separate Q/K/V projections, fused attention,
+    # untied head, no dropout).
     "llama-7b": ModelShape(
         name="llama-7b", num_layers=32, hidden=4096, num_heads=32, num_kv_heads=32, ffn_hidden=11008,
         vocab_size=32000, seq_len=4096, norm="rmsnorm", activation="swiglu", position="rope",
-        attention="sdpa", dropout=0.0, bias=False, tied_embeddings=False,
+        attention="sdpa", dropout=0.0, bias=False, qkv_projection="separate", tied_embeddings=False,
     ),
     "llama3-8b": ModelShape(
         name="llama3-8b", num_layers=32, hidden=4096, num_heads=32, num_kv_heads=8, ffn_hidden=14336,
         vocab_size=128256, seq_len=8192, norm="rmsnorm", activation="swiglu", position="rope",
-        attention="sdpa", dropout=0.0, bias=False, tied_embeddings=False,
+        attention="sdpa", dropout=0.0, bias=False, qkv_projection="separate", tied_embeddings=False,
     ),
 }
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from sptransform.measure.regions import classify_regions
-from sptransform.measure.tensors import is_random, is_view, storage_nbytes, storage_root
+from sptransform.measure.tensors import is_fused_attention, is_random, is_view, storage_nbytes, storage_root
 
 aten = torch.ops.aten
 S, H, A = 8, 16, 2
@@ -88,6 +88,28 @@ def test_fused_attention_is_one_core():
     gm, regions = _trace(_fused_layer)
     (core,) = regions.cores
     assert core.fused and regions.num_layers == 1
+
+
+def test_attention_kernel_without_dropout_draws_nothing():
+    """Fused attention kernels are tagged random; with ``dropout_p=0`` they draw nothing, so the
+    rematerialisation pass must not save a generator state to replay them."""
+    def attend(q, k, v, p):
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p=p, is_causal=True)[0]
+
+    q = torch.randn(1, 2, S, H // A)
+    for p, random in ((0.0, False), (0.1, True)):
+        gm = make_fx(lambda q, k, v: attend(q, k, v, p), tracing_mode="fake")(q, q, q)
+        (kernel,) = [n for n in gm.graph.nodes if is_fused_attention(n)]
+        assert is_random(kernel) is random
+
+
+def test_fused_attention_is_recognised_inside_an_rng_wrapper():
+    gm, _ = _trace(_fused_layer)
+    (kernel,) = [n for n in gm.graph.nodes if is_fused_attention(n)]
+    with gm.graph.inserting_before(kernel):
+        wrapped = gm.graph.call_function(torch._prims.rng_prims.run_and_save_rng_state,
+                                         (kernel.target, *kernel.args), dict(kernel.kwargs))
+    assert is_fused_attention(wrapped) and is_random(wrapped) == is_random(kernel)
 
 
 def test_classification_never_reads_node_names():

@@ -1,7 +1,9 @@
 """A decoder-only transformer built from a ``ModelShape``, for measuring graphs only.
 
-``ShapeModel`` follows the shape's choices: LayerNorm or RMSNorm, GELU (exact) or
-SwiGLU MLP, learned or rotary positions, explicit softmax attention (QK^T, causal
+``ShapeModel`` follows the shape's choices: LayerNorm or RMSNorm (computed in
+fp32 and cast back before the weight, as the Llama reference code does), GELU
+(exact) or SwiGLU MLP, learned or rotary positions, one fused or three separate
+Q/K/V projections, explicit softmax attention (QK^T, causal
 mask, softmax, dropout, attention over V: the paper's layer) or one fused SDPA
 kernel, grouped K/V heads, dropout on attention probabilities and residual
 branches, tied or untied head, cross-entropy loss in ``forward``. It is built
@@ -26,7 +28,12 @@ class _Attention(nn.Module):
     def __init__(self, shape: ModelShape, seq: int):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = shape.num_heads, shape.kv_heads, shape.head_dim
-        self.qkv = nn.Linear(shape.hidden, (self.heads + 2 * self.kv_heads) * self.head_dim, bias=shape.bias)
+        widths = [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim]
+        self.widths = widths
+        if shape.qkv_projection == "fused":
+            self.qkv = nn.Linear(shape.hidden, sum(widths), bias=shape.bias)
+        else:
+            self.q, self.k, self.v = (nn.Linear(shape.hidden, w, bias=shape.bias) for w in widths)
         self.proj = nn.Linear(self.heads * self.head_dim, shape.hidden, bias=shape.bias)
         self.dropout, self.fused = shape.dropout, shape.attention == "sdpa"
         self.rotary = shape.position == "rope"
@@ -46,9 +53,10 @@ class _Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        q, k, v = self.qkv(x).split(
-            [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1
-        )
+        if hasattr(self, "qkv"):
+            q, k, v = self.qkv(x).split(self.widths, dim=-1)
+        else:
+            q, k, v = self.q(x), self.k(x), self.v(x)
         q = q.view(b, s, self.heads, self.head_dim).transpose(1, 2)  # [b, a, s, hd]
         k = k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)  # [b, kv, s, hd]
         v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -64,7 +72,9 @@ class _Attention(nn.Module):
                 v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # [b, a, s, s]
             att = att.masked_fill(~self.causal[:s, :s], float("-inf"))
-            att = F.dropout(F.softmax(att, dim=-1), p, self.training)
+            att = F.softmax(att, dim=-1)
+            if p > 0:  # dropout(p=0) in training still copies, which would keep a second s x s tensor
+                att = F.dropout(att, p, self.training)
             y = att @ v  # [b, a, s, hd]
         return self.proj(y.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
 
@@ -84,9 +94,25 @@ class _MLP(nn.Module):
         return self.down(F.gelu(self.up(x)))
 
 
+class _RMSNorm(nn.Module):
+    """RMSNorm as Llama's reference code writes it: statistics in fp32, the normalized
+    tensor cast back to the input's dtype, then scaled. Autograd keeps the fp32 input,
+    the per-token rstd and the cast normalized tensor (for the weight's gradient)."""
+
+    def __init__(self, hidden: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = x.float()
+        normalized = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normalized.to(x.dtype)
+
+
 def _norm(shape: ModelShape) -> nn.Module:
     if shape.norm == "rmsnorm":
-        return nn.RMSNorm(shape.hidden)
+        return _RMSNorm(shape.hidden)
     return nn.LayerNorm(shape.hidden, bias=shape.bias)
 
 

@@ -18,8 +18,9 @@ node names or module paths:
 ``classify_regions`` labels every forward node with one of ``REGIONS`` and a layer
 index (``None`` outside the layers: embeddings, final norm, head, loss), and
 ``GraphRegions.saved_region`` attributes a tensor saved for backward the way the
-paper does: to the op whose backward needs it (a matmul's input to that matmul,
-a norm's input to the norm), otherwise to the op that produced it.
+paper does: a layer's input to that layer's first norm (also when an embedding or
+a reduce-scatter produced it), a matmul's input to that matmul, a norm's input to
+the norm, otherwise to the op that produced it.
 """
 
 from __future__ import annotations
@@ -105,6 +106,9 @@ class GraphRegions:
         root = storage_root(node)
         if root in self.state or (root in self.constant and root.op == "placeholder"):
             return "parameters", None
+        for index, boundary in enumerate(self.boundaries[: self.num_layers]):
+            if storage_root(boundary) is root:  # a layer's input belongs to that layer, whoever produced it
+                return "norms", index
         own = self.region.get(root, "embedding_head_loss")
         if own in ("dropout_masks", "collectives", "constants"):
             return own, self.layer.get(root)

@@ -78,12 +78,31 @@ def tensor_nbytes(node: fx.Node) -> int:
     return 0 if value is None else value.numel() * value.element_size()
 
 
+_RNG_WRAPPERS = {torch._prims.rng_prims.run_and_save_rng_state: 0, torch._prims.rng_prims.run_with_rng_state: 1}
+"""Higher-order ops that run a random op with a saved generator state -> position of that op in args."""
+
+
+def unwrap_rng(node: fx.Node) -> tuple[object, tuple, dict]:
+    """``(op, args, kwargs)`` of ``node``, looking through a save/replay-RNG wrapper."""
+    at = _RNG_WRAPPERS.get(node.target)
+    if at is None:
+        return node.target, tuple(node.args), dict(node.kwargs)
+    return node.args[at], tuple(node.args[at + 1:]), dict(node.kwargs)
+
+
 def is_random(node: fx.Node) -> bool:
-    """Draws from a random generator (also when wrapped to save or replay the generator's state)."""
-    target = node.target
-    if target in (torch._prims.rng_prims.run_and_save_rng_state, torch._prims.rng_prims.run_with_rng_state):
-        return True
-    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+    """Draws from a random generator (also when wrapped to save or replay the generator's state).
+
+    An attention kernel called with ``dropout_p=0`` is tagged random but draws nothing."""
+    op, args, kwargs = unwrap_rng(node)
+    if not (isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags):
+        return node.target in _RNG_WRAPPERS
+    names = [a.name for a in op._schema.arguments]
+    if "dropout_p" in names:
+        at = names.index("dropout_p")
+        p = kwargs.get("dropout_p", args[at] if at < len(args) else op._schema.arguments[at].default_value)
+        return not (isinstance(p, (int, float)) and p == 0)
+    return True
 
 
 def is_collective(node: fx.Node) -> bool:
@@ -97,7 +116,7 @@ def is_matmul(node: fx.Node) -> bool:
 
 def is_fused_attention(node: fx.Node) -> bool:
     """A fused softmax-attention kernel (any ``scaled_dot_product`` / flash / efficient op)."""
-    target = node.target
+    target, _, _ = unwrap_rng(node)
     if not isinstance(target, torch._ops.OpOverload):
         return False
     name = target._schema.name

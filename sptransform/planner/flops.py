@@ -69,11 +69,12 @@ def hardware_flops(
 
     ``full`` repeats every layer's forward (not the logits). ``selective`` repeats
     the core attention's forward; ``convention="paper-eq8"`` charges it three
-    times, as the paper's equation 8 does."""
+    times, as the paper's equation 8 does. A fused (``sdpa``) kernel keeps no
+    ``s x s`` tensor, so selective recomputation keeps it whole and repeats nothing."""
     base = model_flops(shape, batch=batch, seq_len=seq_len)
     if recompute == "full":
         return base + shape.num_layers * layer_forward_flops(shape, batch=batch, seq_len=seq_len)
-    if recompute == "selective":
+    if recompute == "selective" and shape.attention == "explicit":
         repeats = 3 if convention == "paper-eq8" else 1
         return base + repeats * shape.num_layers * core_attention_flops(shape, batch=batch, seq_len=seq_len)
     return base
