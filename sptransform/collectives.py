@@ -36,12 +36,12 @@ def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
 
 
 def _all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
-    out = funcol.all_gather_tensor(x.contiguous(), dim, group)
+    out = funcol.all_gather_single(x.contiguous(), dim, group)
     return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
-    out = funcol.reduce_scatter_tensor(x.contiguous(), "sum", dim, group)
+    out = funcol.reduce_scatter_single(x.contiguous(), "sum", dim, group)
     return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
 
 

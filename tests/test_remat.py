@@ -144,10 +144,10 @@ class _SequenceParallelMLP(nn.Module):
         self.group = group
 
     def forward(self, x):
-        from torch.distributed._functional_collectives import all_gather_tensor_autograd, reduce_scatter_tensor_autograd
+        from torch.distributed._functional_collectives import all_gather_single_autograd, reduce_scatter_single_autograd
 
-        y = all_gather_tensor_autograd(self.norm(x), 0, self.group)  # [s, h] from [s/t, h]
-        z = reduce_scatter_tensor_autograd(self.down(F.gelu(self.up(y))), "sum", 0, self.group)
+        y = all_gather_single_autograd(self.norm(x), 0, self.group)  # [s, h] from [s/t, h]
+        z = reduce_scatter_single_autograd(self.down(F.gelu(self.up(y))), "sum", 0, self.group)
         return (x + z).sum()
 
 
