@@ -45,6 +45,7 @@ class TrainConfig:
     dropout: float = 0.1
     lr: float = 1e-3
     seed: int = 0
+    dtype: str = "float32"  # float64: is the late parallel/single-device gap rounding? (README)
     data: str | None = None
 
 
@@ -76,7 +77,20 @@ def build_model(cfg: TrainConfig):
         vocab_size=256, n_positions=max(128, cfg.seq), n_layer=cfg.layers, n_embd=cfg.hidden, n_head=cfg.heads,
         resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout, attn_implementation="eager",
     )
-    return GPT2LMHeadModel(config).train()
+    dtype = {"float32": torch.float32, "float64": torch.float64}.get(cfg.dtype)
+    if dtype is None:
+        raise ValueError(f"--dtype {cfg.dtype!r} is not supported; use float32 or float64")
+    model = GPT2LMHeadModel(config).to(dtype).train()
+    if dtype == torch.float64:
+        model.loss_function = _loss_in_model_dtype  # HF's default loss upcasts logits to fp32
+    return model
+
+
+def _loss_in_model_dtype(logits, labels, vocab_size, **kwargs):
+    """HF's causal-LM loss (labels shifted left, -100 ignored) without its cast to fp32, so a
+    float64 run computes everything in float64."""
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, vocab_size), shifted.reshape(-1), ignore_index=-100)
 
 
 def train(cfg: TrainConfig) -> None:
