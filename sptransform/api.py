@@ -79,7 +79,8 @@ def parallelize(
     Returns a ``ParallelModule`` whose parameters are DTensors on the TP mesh under
     the original names. ``recompute`` partitions the parallel graph's forward and backward
     with ``sptransform.passes.remat`` (compiled on the first call of each input shape;
-    real ranks only: AOTAutograd cannot trace LocalTensorMode's simulated ranks).
+    real ranks only: AOTAutograd cannot trace LocalTensorMode's simulated ranks); with
+    ``pp`` each pipeline stage is partitioned on its first forward.
 
     Pipeline parallelism (``pp``, ``schedule``, ``n_microbatches``, ``stages_per_rank``;
     see ``sptransform.pipeline``): with ``pp > 1``, or any of the others given, returns a
@@ -95,8 +96,6 @@ def parallelize(
         raise TypeError(f"parallelize expects an nn.Module, got {type(model).__name__}")
     options = ParallelOptions(tp=tp, sp=sp, dropout_rng=dropout_rng, seed=seed, recompute=recompute)
     if pp != 1 or schedule is not None or n_microbatches is not None or stages_per_rank is not None:
-        if recompute != "none":
-            raise ValueError(f"recompute={recompute!r} with pipeline parallelism is not supported yet: use recompute='none' with pp")
         from .pipeline import PipelineOptions, pipeline_parallelize
 
         pipeline = PipelineOptions(pp=pp, schedule=schedule or "1f1b", n_microbatches=n_microbatches or 1,

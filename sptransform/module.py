@@ -9,6 +9,7 @@ passes is ``build_parallel_graph``, read top to bottom.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -70,12 +71,13 @@ def build_parallel_graph(
     return ParallelGraph(captured, analysis, plan)
 
 
-def compile_with_remat(gm: fx.GraphModule, inputs: list, recompute, num_state: int):
+def compile_with_remat(gm: fx.GraphModule, inputs: list, recompute, state_positions: Sequence[int]):
     """AOTAutograd over ``gm`` with the rematerialisation partition of ``recompute``.
 
     Non-tensor inputs (flags such as ``use_cache``) are baked in as constants first;
-    the parameters/buffers (``gm``'s own index tables, then the ``num_state`` state
-    placeholders) are state, never activations."""
+    the parameters/buffers (``gm``'s own index tables, then the inputs at
+    ``state_positions``) are state, never activations. Returns a function of the
+    tensor inputs, in order, that returns a tuple (also when ``gm`` returns one tensor)."""
     import copy
 
     from functorch.compile import make_boxed_func
@@ -86,14 +88,20 @@ def compile_with_remat(gm: fx.GraphModule, inputs: list, recompute, num_state: i
 
     gm = copy.deepcopy(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, value in zip(placeholders, inputs):
-        if not isinstance(value, torch.Tensor):
+    tensor_index: dict[int, int] = {}
+    for position, (node, value) in enumerate(zip(placeholders, inputs)):
+        if isinstance(value, torch.Tensor):
+            tensor_index[position] = len(tensor_index)
+        else:
             node.replace_all_uses_with(value) if node.users else None
             gm.graph.erase_node(node)
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    if not isinstance(output.args[0], (tuple, list)):  # AOTAutograd wants tuple outputs
+        output.args = ((output.args[0],),)
     gm.recompile()
     policy, budget = (recompute, None) if isinstance(recompute, str) else ("budget", recompute)
-    own = state_count(gm)
-    state = list(range(own + num_state))
+    own = state_count(gm)  # AOTAutograd lifts gm's own parameters and buffers in front of the inputs
+    state = list(range(own)) + [own + tensor_index[p] for p in state_positions if p in tensor_index]
 
     def compiler(graph: fx.GraphModule, _inputs):
         return make_boxed_func(graph.forward)
@@ -253,7 +261,8 @@ class ParallelModule(nn.Module):
                     f"recompute={self._options.recompute!r} needs real ranks: AOTAutograd cannot trace "
                     "LocalTensorMode's simulated ranks; use recompute='none' in simulation"
                 )
-            graph.remat = compile_with_remat(graph.gm, inputs, self._options.recompute, len(graph.captured.state_names))
+            graph.remat = compile_with_remat(graph.gm, inputs, self._options.recompute,
+                                              range(len(graph.captured.state_names)))
         return graph.remat
 
     def _local_state(self, name: str, captured: CapturedGraph) -> torch.Tensor:

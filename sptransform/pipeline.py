@@ -54,10 +54,13 @@ class StageModule(nn.Module):
     microbatch's tensor inputs by flat index (``input_<i>``)."""
 
     def __init__(self, stage: StageGraph, state: dict[str, torch.Tensor], fixed_inputs: dict[int, Any],
-                 rank: torch.Tensor | None):
+                 rank: torch.Tensor | None, recompute: str | float | int = "none"):
         super().__init__()
         self.index = stage.index
         self.graph = stage.gm
+        self.recompute = recompute
+        self._remat = None
+        """The stage graph compiled by AOTAutograd with the rematerialisation partition (first call)."""
         self.params = nn.Module()
         self._state = [state[name] for name in stage.state_names]
         for name, value in zip(stage.state_names, self._state):
@@ -67,23 +70,57 @@ class StageModule(nn.Module):
         self._extra = [rank for _ in stage.extra_inputs]
         self.saved_outputs: set[int] | None = None
         """Indices of outputs whose storage this stage's autograd saves (found on the first call)."""
+        self.saved_activation_bytes: int | None = None
+        """Bytes of the distinct storages autograd keeps for one microbatch's backward, parameters
+        and buffers excluded (measured on the first call: what ``recompute`` trades)."""
 
     def forward(self, *activations, **inputs):
         state = [v.to_local() if isinstance(v, DTensor) else v for v in self._state]
         user = [inputs[f"input_{i}"] if fixed is None else fixed for i, fixed in self._user]
+        run = self.graph
+        if self.recompute != "none" and torch.is_grad_enabled():
+            run = self._remat_runner(activations, state, user)
         if self.saved_outputs is not None or not torch.is_grad_enabled():
-            return self.graph(*activations, *state, *user, *self._extra)
-        saved = set()
+            return run(*activations, *state, *user, *self._extra)
+        saved: dict[StorageWeakRef, int] = {}
 
         def pack(t):
-            saved.add(StorageWeakRef(t.untyped_storage()))
+            storage = t.untyped_storage()
+            saved[StorageWeakRef(storage)] = storage.nbytes()
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = self.graph(*activations, *state, *user, *self._extra)
-        outputs = out if isinstance(out, tuple) else (out,)
+            out = run(*activations, *state, *user, *self._extra)
+        outputs = out if isinstance(out, (tuple, list)) else (out,)
         self.saved_outputs = {i for i, o in enumerate(outputs) if StorageWeakRef(o.untyped_storage()) in saved}
+        state_storages = {StorageWeakRef(t.untyped_storage()) for t in state if isinstance(t, torch.Tensor)}
+        self.saved_activation_bytes = sum(n for ref, n in saved.items() if ref not in state_storages)
         return out
+
+    def _remat_runner(self, activations: tuple, state: list, user: list):
+        if self._remat is None:
+            from .module import compile_with_remat
+
+            inputs = [*activations, *state, *user, *self._extra]
+            first_state = len(activations)
+            compiled = compile_with_remat(self.graph, inputs, self.recompute,
+                                          range(first_state, first_state + len(state)))
+
+            returns_tuple = self._returns_tuple
+
+            def run(*all_inputs):
+                out = compiled(*[x for x in all_inputs if isinstance(x, torch.Tensor)])
+                if not isinstance(out, (tuple, list)):
+                    return out
+                return tuple(out) if returns_tuple else out[0]
+
+            self._remat = run
+        return self._remat
+
+    @property
+    def _returns_tuple(self) -> bool:
+        output = next(iter(self.graph.graph.find_nodes(op="output")))
+        return isinstance(output.args[0], (tuple, list))
 
 
 class _FreeingStage(PipelineStage):
@@ -146,7 +183,7 @@ class PipelinedModule(nn.Module):
         state = self._register_state(model, {n for s in local for n in s.state_names}, graph.captured)
         fixed = {i: x for i, x in enumerate(pytree.tree_leaves((tuple(mb_args), dict(mb_kwargs))))
                  if not isinstance(x, torch.Tensor)}
-        self._stage_modules = [StageModule(s, state, fixed, self._rank) for s in local]
+        self._stage_modules = [StageModule(s, state, fixed, self._rank, options.recompute) for s in local]
         self._tied_groups = self._tied_gradient_groups()
         self._schedule = self._build_schedule()
         self._target = torch.zeros(pipeline.n_microbatches, device=self._device)
@@ -240,7 +277,10 @@ class PipelinedModule(nn.Module):
         leaves = pytree.tree_leaves((tuple(args), dict(kwargs)))
         named = {f"input_{i}": x for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
         losses: list[torch.Tensor] = []
-        self._schedule.step(target=self._target, losses=losses, return_outputs=False, **named)
+        # Zero-bubble schedules split a stage's backward with retain_graph, which AOTAutograd's
+        # donated buffers forbid (recompute=); the graphs run eagerly, so donation saves nothing.
+        with torch._functorch.config.patch(donated_buffer=False):
+            self._schedule.step(target=self._target, losses=losses, return_outputs=False, **named)
         self._sum_tied_gradients()
         return self._broadcast_loss(losses)
 

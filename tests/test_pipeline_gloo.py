@@ -46,12 +46,16 @@ def _worker(rank: int, world: int, port: int, cases: list[tuple]) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
         for case in cases:  # one process group for all cases: spawning is the slow part
-            _train_and_compare(*case)
+            if case[0] == "dropout":
+                _recompute_replays_dropout_exactly(*case[1:])
+            else:
+                _train_and_compare(*case)
     finally:
         dist.destroy_process_group()
 
 
-def _train_and_compare(kind: str, tp: int, pp: int, schedule: str, stages_per_rank: int | None, tied: str) -> None:
+def _train_and_compare(kind: str, tp: int, pp: int, schedule: str, stages_per_rank: int | None, tied: str,
+                       recompute: str | float = "none") -> None:
     import sptransform
 
     model = _model(kind, layers=4)
@@ -60,7 +64,7 @@ def _train_and_compare(kind: str, tp: int, pp: int, schedule: str, stages_per_ra
     batches = [dict(input_ids=torch.randint(0, 257, (8, 16)), labels=torch.randint(0, 257, (8, 16)))
                for _ in range(3)]
     pm = sptransform.parallelize(model, tp=tp, pp=pp, schedule=schedule, n_microbatches=4,
-                                 stages_per_rank=stages_per_rank, example_inputs=batches[0])
+                                 stages_per_rank=stages_per_rank, example_inputs=batches[0], recompute=recompute)
     assert tied in pm.explain(), pm.explain()
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-4)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-4)
@@ -74,10 +78,10 @@ def _train_and_compare(kind: str, tp: int, pp: int, schedule: str, stages_per_ra
         ref_loss.backward()
         loss = pm.step(**batch)
         torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"{kind} {schedule} step {step} loss: {m}")
+                                   msg=lambda m: f"{kind} {schedule} {recompute} step {step} loss: {m}")
         for name, p in held.items():
             torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad, rtol=1e-4, atol=1e-5,
-                                       msg=lambda m, n=name: f"{kind} {schedule} step {step} grad of {n}: {m}")
+                                       msg=lambda m, n=name: f"{kind} {schedule} {recompute} step {step} grad of {n}: {m}")
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
     for name, p in held.items():  # tied copies on two ranks stayed equal to the one reference weight
@@ -87,6 +91,40 @@ def _train_and_compare(kind: str, tp: int, pp: int, schedule: str, stages_per_ra
         assert all(m.saved_outputs == set() for m in pm.stage_modules if m.index != last)
 
 
+def _recompute_replays_dropout_exactly(tp: int, pp: int, schedule: str, stages_per_rank: int | None,
+                                       recompute: str | float) -> None:
+    """GPT-2 with dropout 0.1 everywhere: the pipeline with ``recompute`` gives bit-equal losses
+    and gradients to the pipeline without (the backward replays each stage's dropout draws), while
+    its stages keep less for backward."""
+    import sptransform
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=8, vocab_size=257, n_positions=64,
+                                     attn_implementation="eager", resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    model = transformers.GPT2LMHeadModel(config).train()
+    torch.manual_seed(1)
+    batches = [dict(input_ids=torch.randint(0, 257, (8, 16)), labels=torch.randint(0, 257, (8, 16)))
+               for _ in range(2)]
+    runs = {}
+    for policy in ("none", recompute):
+        pm = sptransform.parallelize(copy.deepcopy(model), tp=tp, pp=pp, schedule=schedule, n_microbatches=4,
+                                     stages_per_rank=stages_per_rank, example_inputs=batches[0], recompute=policy,
+                                     seed=7)
+        steps = []
+        for step, batch in enumerate(batches):
+            torch.manual_seed(5 + step)  # replicated activations draw from the default generator
+            loss = pm.step(**batch)
+            steps.append((loss, {n: p.grad.full_tensor().clone() for n, p in pm.named_parameters()}))
+            pm.zero_grad()
+        runs[policy] = (steps, sum(m.saved_activation_bytes for m in pm.stage_modules))
+    (plain, plain_bytes), (remat, remat_bytes) = runs["none"], runs[recompute]
+    for (loss, grads), (loss_r, grads_r) in zip(plain, remat):
+        assert torch.equal(loss, loss_r), (loss, loss_r)
+        for name, grad in grads.items():
+            assert torch.equal(grad, grads_r[name]), name
+    assert remat_bytes < plain_bytes, (recompute, remat_bytes, plain_bytes)
+
+
 SUMMED, COLOCATED, NONE = "gradients summed over those ranks every step", "(co-located)", "tied parameters: none"
 
 
@@ -94,12 +132,16 @@ SUMMED, COLOCATED, NONE = "gradients summed over those ranks every step", "(co-l
     "world,cases",
     [
         (2, [("gpt2", 1, 2, "gpipe", None, SUMMED), ("llama", 1, 2, "1f1b", None, NONE),
-             ("gpt2", 1, 2, "interleaved1f1b", 2, SUMMED), ("gpt2", 1, 2, "zbv", 2, COLOCATED)]),
+             ("gpt2", 1, 2, "interleaved1f1b", 2, SUMMED), ("gpt2", 1, 2, "zbv", 2, COLOCATED),
+             ("gpt2", 1, 2, "1f1b", None, SUMMED, "full"), ("llama", 1, 2, "zbv", 2, NONE, "selective"),
+             ("dropout", 1, 2, "1f1b", None, "full"), ("dropout", 1, 2, "zbv", 2, 0.5)]),
         (4, [("gpt2", 1, 4, "1f1b", None, SUMMED), ("gpt2", 2, 2, "1f1b", None, SUMMED),
-             ("llama", 2, 2, "interleaved1f1b", 2, NONE)]),
+             ("llama", 2, 2, "interleaved1f1b", 2, NONE), ("gpt2", 2, 2, "1f1b", None, SUMMED, "selective"),
+             ("dropout", 2, 2, "interleaved1f1b", 2, "full")]),
     ],
     ids=["pp2", "pp4-and-pp2xtp2"],
 )
 def test_pipeline_training_matches_single_device(world, cases):
-    """pp in {2, 4}, pp x tp = 2 x 2, GPipe / 1F1B / interleaved (v=2) / ZB-V: 3 AdamW steps."""
+    """pp in {2, 4}, pp x tp = 2 x 2, GPipe / 1F1B / interleaved (v=2) / ZB-V: 3 AdamW steps; with
+    recompute= (full, selective, a 0.5 budget) also against the same pipeline without recompute."""
     mp.spawn(_worker, args=(world, _free_port(), cases), nprocs=world, join=True)
