@@ -4,12 +4,19 @@
     sptransform memory --model gpt-530b --tp 8 --sp --recompute selective --json
     sptransform memory --model gpt2 --seq 1024 --batch 4 --dtype fp32 --recompute budget --budget 0.5
     sptransform memory --model path/to/config.json --recompute full
+    sptransform memory --model gpt-175b --tp 8 --sp --recompute selective --pp 8 --microbatches 8
 
 Two layers of the model are traced under fake tensors (nothing is allocated; a 1T
 model takes seconds on a laptop CPU), partitioned with the chosen recompute policy,
 and measured: bytes saved for backward per layer by region beside Korthikanti et
 al.'s Table 2, the peak of live bytes during backward, and model vs hardware FLOPs
 per layer (the difference of the two- and one-layer graphs).
+
+With ``--pp`` the measured bytes are laid out on a pipeline: the layers split evenly
+over the stages (the first stages take one more when they do not divide), what lies
+before the first layer (embedding) on the first stage and the rest (final norm, head,
+loss) on the last, and the schedule's own order (``--schedule``, ``--microbatches``)
+says how many microbatches each stage holds at once; each rank's peak is reported.
 """
 
 from __future__ import annotations
@@ -45,6 +52,10 @@ def register(subparsers) -> None:
     parser.add_argument("--seq", type=int, help="sequence length (default: the model's)")
     parser.add_argument("--batch", type=int, help="micro-batch (default: the paper's for its models, else 1)")
     parser.add_argument("--dtype", default="bf16", help=f"one of {', '.join(DTYPES)} (default bf16)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline ranks: report each rank's peak (default 1)")
+    parser.add_argument("--microbatches", type=int, help="with --pp: microbatches per step (default pp)")
+    parser.add_argument("--schedule", default="1f1b", help="with --pp: gpipe, 1f1b, interleaved1f1b, looped_bfs or zbv")
+    parser.add_argument("--stages-per-rank", type=int, help="with --pp: virtual stages per rank")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -80,11 +91,51 @@ def run(args) -> int:
     flops = layer_flops(measured)
     elapsed = time.perf_counter() - start
     report = summarize(measured, flops, elapsed)
+    if args.pp > 1 or args.microbatches is not None or args.stages_per_rank is not None:
+        report["pipeline"] = pipeline_memory(measured, pp=args.pp, microbatches=args.microbatches or args.pp,
+                                             schedule=args.schedule, stages_per_rank=args.stages_per_rank)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print_report(report)
     return 0
+
+
+def pipeline_memory(m, *, pp: int, microbatches: int, schedule: str, stages_per_rank: int | None) -> dict:
+    """Each pipeline rank's activation bytes over one step of ``schedule``, from the measured
+    per-layer and embedding/head bytes (``m``: a ``Measurement`` of one microbatch)."""
+    from sptransform.pipeline_schedule import (
+        check_stages_per_rank, memory_timeline, pipeline_order, schedule_spec, simulate, stage_ranks,
+    )
+
+    if pp < 1 or microbatches < 1:
+        raise ValueError(f"--pp {pp} and --microbatches {microbatches} must be at least 1")
+    spec = schedule_spec(schedule)
+    v = stages_per_rank or spec.default_stages_per_rank
+    check_stages_per_rank(spec, v)
+    stages, layers = pp * v, m.shape.num_layers
+    if layers < stages:
+        raise ValueError(f"{m.shape.name} has {layers} layers, fewer than pp x stages_per_rank = {stages} stages: "
+                         f"use pp x stages_per_rank <= {layers}")
+    per_stage = [layers // stages + (1 if i < layers % stages else 0) for i in range(stages)]
+    layer_bytes = m.layer_bytes()
+    embedding, head = m.memory.embedding_and_head_bytes()
+    stage_bytes = [n * layer_bytes for n in per_stage]
+    stage_bytes[0] += embedding
+    stage_bytes[-1] += head
+    order = pipeline_order(spec, pp, v, microbatches)
+    timeline = memory_timeline(simulate(order, stages), pp, stage_bytes)
+    owner = stage_ranks(spec, pp, v)
+    ranks = []
+    for rank in range(pp):
+        mine = [s for s in range(stages) if owner[s] == rank]
+        ranks.append({
+            "rank": rank, "stages": mine, "layers": sum(per_stage[s] for s in mine),
+            "bytes_per_microbatch": sum(stage_bytes[s] for s in mine),
+            "peak_bytes": max(level for _, level in timeline[rank]),
+        })
+    return {"pp": pp, "schedule": spec.name, "stages_per_rank": v, "microbatches": microbatches,
+            "layers_per_stage": per_stage, "embedding_bytes": embedding, "head_bytes": head, "ranks": ranks}
 
 
 def summarize(m, flops, elapsed: float) -> dict:
@@ -157,3 +208,23 @@ def print_report(r: dict) -> None:
              f"recompute={r['recompute']}, s={r['seq']}, b={r['batch']}, {r['dtype']}; traced in {r['seconds']} s)")
     print_table(TextTable(title=title, columns=("region", "measured B", "x sbh", "paper B", "x sbh"),
                           rows=tuple(rows), notes=tuple(notes)))
+    if "pipeline" in r:
+        print_pipeline(r["pipeline"], sbh)
+
+
+def print_pipeline(p: dict, sbh: int) -> None:
+    rows = tuple(
+        (str(x["rank"]), ",".join(map(str, x["stages"])), str(x["layers"]), _gib(x["bytes_per_microbatch"]),
+         _gib(x["peak_bytes"]), f"{x['peak_bytes'] / x['bytes_per_microbatch']:.2f}", f"{x['peak_bytes'] / sbh:,.1f}")
+        for x in p["ranks"]
+    )
+    notes = (
+        f"layers per stage {p['layers_per_stage']}; embedding {_gib(p['embedding_bytes'])} on stage 0, "
+        f"final norm + head + loss {_gib(p['head_bytes'])} on stage {len(p['layers_per_stage']) - 1}",
+        "peak: most bytes held at once over one step in the schedule's own order (a forward adds its stage's "
+        "bytes, its backward frees them)",
+    )
+    title = (f"pipeline: pp={p['pp']}, {p['schedule']}, {p['stages_per_rank']} stage(s) per rank, "
+             f"{p['microbatches']} microbatches: activation bytes per rank")
+    print_table(TextTable(title=title, columns=("rank", "stages", "layers", "per microbatch", "peak", "peak / mb",
+                                                "peak x sbh"), rows=rows, notes=notes))

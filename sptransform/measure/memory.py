@@ -43,6 +43,9 @@ class SavedTensor:
     nbytes: int
     region: str
     layer: int | None
+    before_layers: bool = False
+    """Outside the layers and computed before the first one (embeddings): on a pipeline's first
+    stage; the rest outside the layers (final norm, head, loss) is on its last."""
 
 
 @dataclass
@@ -84,6 +87,11 @@ class MemoryReport:
     def outside_layers(self) -> dict[str, int]:
         return self.by_region(None)
 
+    def embedding_and_head_bytes(self) -> tuple[int, int]:
+        """Bytes outside the layers (before the first layer, after the last one)."""
+        before = sum(t.nbytes for t in self.saved if t.layer is None and t.before_layers)
+        return before, sum(t.nbytes for t in self.saved if t.layer is None) - before
+
 
 def saved_nodes(fw: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
     """What the forward graph hands to the backward (its outputs after the user's)."""
@@ -104,6 +112,8 @@ def memory_report(
     forward_outputs = next(iter(fw.graph.find_nodes(op="output"))).args[0][:num_fwd_outputs]
     regions = classify_regions(fw.graph, state=state, outputs=forward_outputs)
     saved, excluded, seen = [], 0, set()
+    order = {n: i for i, n in enumerate(fw.graph.nodes)}
+    first_layer_input = order[regions.boundaries[0]] if regions.boundaries else -1
     for node in saved_nodes(fw, num_fwd_outputs):
         root = storage_root(node)
         if root in seen:
@@ -117,12 +127,21 @@ def memory_report(
             continue
         value = tensor_val(node)
         saved.append(SavedTensor(node.name, tuple(value.shape), str(value.dtype).replace("torch.", ""),
-                                 storage_nbytes(root), region, layer))
+                                 storage_nbytes(root), region, layer,
+                                 before_layers=layer is None and _before(root, order, first_layer_input)))
     fw_roots = {n.name: storage_root(n) for n in saved_nodes(fw, num_fwd_outputs)}
     peak, grads = backward_peak(bw, fw_roots=fw_roots, state=state, num_primals=len(placeholders),
                                 state_indices=set(state_indices))
     return MemoryReport(saved=saved, num_layers=regions.num_layers, peak_backward=peak,
                         param_grad_bytes=grads, parameters_excluded=excluded, notes=list(notes))
+
+
+def _before(root: fx.Node, order: dict[fx.Node, int], first_layer_input: int) -> bool:
+    """Computed before the first layer's input, or an input only read before it (token ids for
+    the embedding's backward; labels read by the loss are not)."""
+    if root.op == "placeholder":
+        return all(order[user] <= first_layer_input for user in root.users)
+    return order[root] <= first_layer_input
 
 
 def _is_rng_state(node: fx.Node) -> bool:
