@@ -64,6 +64,7 @@ def parallelize(
     schedule: str | None = None,
     n_microbatches: int | None = None,
     stages_per_rank: int | None = None,
+    stored_microbatches: int | None = None,
 ) -> "nn.Module":
     """Turn an unmodified single-device ``model`` into one that trains across ``tp`` ranks
     with Megatron tensor parallelism (and sequence parallelism when ``sp``).
@@ -88,18 +89,27 @@ def parallelize(
     ``PipelinedModule``; for ``pp=1`` a ``ParallelModule`` with ``step``). ``example_inputs``
     is then a global batch, labels included; it is split into ``n_microbatches``
     (default 1) along dim 0. ``schedule``: ``"gpipe"``, ``"1f1b"`` (default),
-    ``"interleaved1f1b"``, ``"looped_bfs"`` or ``"zbv"``.
+    ``"interleaved1f1b"``, ``"looped_bfs"`` or ``"zbv"``. ``stored_microbatches=k`` with a
+    ``recompute`` policy is the paper's microbatch-level recomputation (its Appendix C): each
+    stage keeps every activation of up to ``k`` in-flight microbatches (a moving window) and
+    runs the policy on the others.
     """
     from .module import ParallelModule
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallelize expects an nn.Module, got {type(model).__name__}")
     options = ParallelOptions(tp=tp, sp=sp, dropout_rng=dropout_rng, seed=seed, recompute=recompute)
-    if pp != 1 or schedule is not None or n_microbatches is not None or stages_per_rank is not None:
+    pipelined = (pp, schedule, n_microbatches, stages_per_rank, stored_microbatches) != (1, None, None, None, None)
+    if stored_microbatches is not None and recompute == "none":
+        raise ValueError(
+            f"stored_microbatches={stored_microbatches} keeps every activation of that many microbatches and "
+            "recomputes the others, but recompute='none' recomputes nothing: pass recompute='selective' or 'full'"
+        )
+    if pipelined:
         from .pipeline import PipelineOptions, pipeline_parallelize
 
         pipeline = PipelineOptions(pp=pp, schedule=schedule or "1f1b", n_microbatches=n_microbatches or 1,
-                                   stages_per_rank=stages_per_rank)
+                                   stages_per_rank=stages_per_rank, stored_microbatches=stored_microbatches)
         args, kwargs = normalize_example_inputs(model, example_inputs, tp)
         return pipeline_parallelize(model, options=options, pipeline=pipeline, mesh=mesh,
                                     example_args=args, example_kwargs=kwargs)

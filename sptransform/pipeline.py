@@ -45,20 +45,30 @@ from .module import (
 from .ops import RankGenerators, register_generators
 from .passes.pipeline_split import StageGraph
 from .pipeline_plan import PipelineOptions, PipelinePlan, find_loss_output, first_microbatch, plan_pipeline
+from .pipeline_schedule import fully_stored_microbatches, pipeline_order
 
 
 class StageModule(nn.Module):
     """One stage: its graph run on the local shards of the parameters it reads.
 
     ``forward(*activations, **inputs)``: the previous stage's activations, and the
-    microbatch's tensor inputs by flat index (``input_<i>``)."""
+    microbatch's tensor inputs by flat index (``input_<i>``).
+
+    With ``recompute`` the graph runs through AOTAutograd with the rematerialisation
+    partition. With ``fully_stored`` (microbatch-level recomputation), the microbatches in
+    that set run the plain graph and keep every activation, the others the partitioned one;
+    ``_Stage`` tells the module which microbatch it is running."""
 
     def __init__(self, stage: StageGraph, state: dict[str, torch.Tensor], fixed_inputs: dict[int, Any],
-                 rank: torch.Tensor | None, recompute: str | float | int = "none"):
+                 rank: torch.Tensor | None, recompute: str | float | int = "none",
+                 fully_stored: set[int] | None = None):
         super().__init__()
         self.index = stage.index
         self.graph = stage.gm
         self.recompute = recompute
+        self.fully_stored = fully_stored
+        self.microbatch: int | None = None
+        """The microbatch the schedule is running (None while torch infers shapes)."""
         self._remat = None
         """The stage graph compiled by AOTAutograd with the rematerialisation partition (first call)."""
         self.params = nn.Module()
@@ -68,19 +78,32 @@ class StageModule(nn.Module):
                 _set_by_path(self.params, name, value, kind="parameter")
         self._user = [(i, fixed_inputs.get(i)) for i in stage.user_inputs]
         self._extra = [rank for _ in stage.extra_inputs]
+        self._observed: dict[str, tuple[set[int], int]] = {}
         self.saved_outputs: set[int] | None = None
-        """Indices of outputs whose storage this stage's autograd saves (found on the first call)."""
-        self.saved_activation_bytes: int | None = None
+        """Indices of outputs whose storage this stage's autograd saves (found on the first call
+        of each way the stage runs)."""
+
+    @property
+    def saved_activation_bytes(self) -> int | None:
         """Bytes of the distinct storages autograd keeps for one microbatch's backward, parameters
-        and buffers excluded (measured on the first call: what ``recompute`` trades)."""
+        and buffers excluded, under the recompute policy (measured on its first call)."""
+        observed = self._observed.get("plain" if self.recompute == "none" else "remat")
+        return None if observed is None else observed[1]
+
+    @property
+    def fully_stored_bytes(self) -> int | None:
+        """The same for a microbatch that keeps every activation (microbatch-level recompute)."""
+        observed = self._observed.get("plain")
+        return None if observed is None else observed[1]
 
     def forward(self, *activations, **inputs):
         state = [v.to_local() if isinstance(v, DTensor) else v for v in self._state]
         user = [inputs[f"input_{i}"] if fixed is None else fixed for i, fixed in self._user]
-        run = self.graph
-        if self.recompute != "none" and torch.is_grad_enabled():
-            run = self._remat_runner(activations, state, user)
-        if self.saved_outputs is not None or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
+            return self.graph(*activations, *state, *user, *self._extra)
+        way = self._way_of_next_microbatch()
+        run = self.graph if way == "plain" else self._remat_runner(activations, state, user)
+        if way in self._observed:
             return run(*activations, *state, *user, *self._extra)
         saved: dict[StorageWeakRef, int] = {}
 
@@ -92,10 +115,20 @@ class StageModule(nn.Module):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = run(*activations, *state, *user, *self._extra)
         outputs = out if isinstance(out, (tuple, list)) else (out,)
-        self.saved_outputs = {i for i, o in enumerate(outputs) if StorageWeakRef(o.untyped_storage()) in saved}
         state_storages = {StorageWeakRef(t.untyped_storage()) for t in state if isinstance(t, torch.Tensor)}
-        self.saved_activation_bytes = sum(n for ref, n in saved.items() if ref not in state_storages)
+        self._observed[way] = (
+            {i for i, o in enumerate(outputs) if StorageWeakRef(o.untyped_storage()) in saved},
+            sum(n for ref, n in saved.items() if ref not in state_storages),
+        )
+        self.saved_outputs = set().union(*(kept for kept, _ in self._observed.values()))
         return out
+
+    def _way_of_next_microbatch(self) -> str:
+        if self.recompute == "none":
+            return "plain"
+        if self.fully_stored is None or self.microbatch is None:
+            return "remat"
+        return "plain" if self.microbatch in self.fully_stored else "remat"
 
     def _remat_runner(self, activations: tuple, state: list, user: list):
         if self._remat is None:
@@ -123,7 +156,18 @@ class StageModule(nn.Module):
         return isinstance(output.args[0], (tuple, list))
 
 
-class _FreeingStage(PipelineStage):
+class _Stage(PipelineStage):
+    """A ``PipelineStage`` that tells its ``StageModule`` which microbatch each forward runs."""
+
+    def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None, save_forward_output: bool = True):
+        self.submod.microbatch = fwd_chunk_id
+        try:
+            return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        finally:
+            self.submod.microbatch = None
+
+
+class _FreeingStage(_Stage):
     """A ``PipelineStage`` that frees each forward output once its send is posted.
 
     torch's schedules keep a stage's outputs in ``fwd_cache`` until that microbatch's
@@ -183,7 +227,9 @@ class PipelinedModule(nn.Module):
         state = self._register_state(model, {n for s in local for n in s.state_names}, graph.captured)
         fixed = {i: x for i, x in enumerate(pytree.tree_leaves((tuple(mb_args), dict(mb_kwargs))))
                  if not isinstance(x, torch.Tensor)}
-        self._stage_modules = [StageModule(s, state, fixed, self._rank, options.recompute) for s in local]
+        stored = self._fully_stored_microbatches()
+        self._stage_modules = [StageModule(s, state, fixed, self._rank, options.recompute, stored[s.index])
+                               for s in local]
         self._tied_groups = self._tied_gradient_groups()
         self._schedule = self._build_schedule()
         self._target = torch.zeros(pipeline.n_microbatches, device=self._device)
@@ -225,6 +271,13 @@ class PipelinedModule(nn.Module):
             dtensor = distribute_tensor(param.detach().clone(), self._tp_mesh, [placement], src_data_rank=0)
         return nn.Parameter(dtensor, requires_grad=param.requires_grad)
 
+    def _fully_stored_microbatches(self) -> list[set[int] | None]:
+        pipeline = self._pipeline
+        if pipeline.stored_microbatches is None:
+            return [None] * pipeline.num_stages
+        order = pipeline_order(pipeline.spec, pipeline.pp, pipeline.virtual, pipeline.n_microbatches)
+        return fully_stored_microbatches(order, pipeline.num_stages, pipeline.stored_microbatches)
+
     def _tied_gradient_groups(self) -> list[tuple[str, dist.ProcessGroup]]:
         """For each tied parameter held on several pipeline ranks, the group that sums its
         gradient (one per tp coordinate). Every rank creates every group, in one order."""
@@ -251,7 +304,7 @@ class PipelinedModule(nn.Module):
 
     def _build_schedule(self):
         plan, spec = self.pipeline_plan, self._pipeline.spec
-        stage_class = _FreeingStage if spec.waits_each_send else PipelineStage
+        stage_class = _FreeingStage if spec.waits_each_send else _Stage
         stages = [
             stage_class(module, module.index, self._pipeline.num_stages, self._device, group=self._pp_group)
             for module in self._stage_modules

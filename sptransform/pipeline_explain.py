@@ -58,5 +58,16 @@ def explain_pipeline(plan, options: ParallelOptions, pp_rank: int) -> str:
             f"memory: forward outputs are kept until their backward: {spec.torch_class.__name__} waits on sends "
             "only after all forwards (GPipe) or at the end of the step, so sending from a copy would not free sooner"
         )
+    if options.recompute != "none":
+        lines.append(f"recompute: each stage's graph is partitioned with recompute={options.recompute!r} "
+                     "(compiled on its first forward)")
+    if pipeline.stored_microbatches is not None:
+        from .pipeline_schedule import fully_stored_microbatches, pipeline_order
+
+        order = pipeline_order(spec, pipeline.pp, pipeline.virtual, pipeline.n_microbatches)
+        stored = fully_stored_microbatches(order, pipeline.num_stages, pipeline.stored_microbatches)
+        lines.append(f"microbatch-level recompute (window of {pipeline.stored_microbatches}): microbatches that keep "
+                     "every activation, per stage; the others run the recompute policy:")
+        lines.extend(f"  stage {i}: {sorted(s) if s else 'none'}" for i, s in enumerate(stored))
     lines.extend(f"note: {n}" for n in plan.notes)
     return "\n".join(lines)

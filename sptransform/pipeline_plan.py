@@ -42,6 +42,10 @@ class PipelineOptions:
     """Microbatches each global batch is split into (along dim 0 of every tensor input)."""
     stages_per_rank: int | None = None
     """Virtual stages per rank; default 1, or 2 for multi-stage schedules."""
+    stored_microbatches: int | None = None
+    """Microbatch-level recomputation (Korthikanti et al., Appendix C): each stage keeps every
+    activation of up to this many in-flight microbatches, a moving window, and runs the
+    recompute policy on the others. ``None``: every microbatch runs the policy."""
 
     def __post_init__(self) -> None:
         for name in ("pp", "n_microbatches"):
@@ -50,6 +54,11 @@ class PipelineOptions:
                 raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
             if value < 1:
                 raise ValueError(f"{name}={value} must be at least 1")
+        if self.stored_microbatches is not None:
+            if isinstance(self.stored_microbatches, bool) or not isinstance(self.stored_microbatches, int):
+                raise TypeError(f"stored_microbatches must be an int, got {self.stored_microbatches!r}")
+            if self.stored_microbatches < 0:
+                raise ValueError(f"stored_microbatches={self.stored_microbatches} must be at least 0")
         spec = schedule_spec(self.schedule)
         if self.stages_per_rank is not None:
             if isinstance(self.stages_per_rank, bool) or not isinstance(self.stages_per_rank, int):

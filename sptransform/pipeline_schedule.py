@@ -133,6 +133,34 @@ def inflight(order: Sequence[Sequence[Action]], num_stages: int) -> list[int]:
     return most
 
 
+def fully_stored_microbatches(order: Sequence[Sequence[Action]], num_stages: int, window: int) -> list[set[int]]:
+    """Korthikanti et al.'s microbatch-level recomputation (their Appendix C): per stage, the
+    microbatches whose forward keeps every activation, the rest running the recompute policy.
+
+    Walking each rank's actions in schedule order, a forward keeps everything while fewer than
+    ``window`` of the stage's fully stored microbatches await their backward; that backward
+    (the weight-gradient step when the schedule splits one off) frees the slot for a later
+    microbatch: a moving window. Stages with fewer than ``window`` microbatches in flight store
+    every microbatch.
+
+        1F1B, pp=4, stage 0, window 1:  F0 F1 F2 F3 B0 F4 B1 F5 ...  ->  {0, 4, 8, ...}
+    """
+    if window < 0:
+        raise ValueError(f"window={window} must be at least 0")
+    releases_at = "W" if any(a.kind == "W" for actions in order for a in actions) else "B"
+    stored: list[set[int]] = [set() for _ in range(num_stages)]
+    for actions in order:
+        open_slots = {}
+        for a in actions:
+            slots = open_slots.setdefault(a.stage, window)
+            if a.kind == "F" and slots > 0:
+                stored[a.stage].add(a.microbatch)
+                open_slots[a.stage] = slots - 1
+            elif a.kind == releases_at and a.microbatch in stored[a.stage]:
+                open_slots[a.stage] = slots + 1
+    return stored
+
+
 @dataclass(frozen=True)
 class Box:
     rank: int

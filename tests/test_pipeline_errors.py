@@ -44,6 +44,18 @@ def test_schedule_that_cannot_take_the_placement(schedule, stages_per_rank, mess
                                 example_inputs=_batch())
 
 
+@pytest.mark.parametrize("stored,recompute,error,message", [
+    (2, "none", ValueError, r"stored_microbatches=2 keeps every activation of that many microbatches and recomputes "
+                            r"the others, but recompute='none' recomputes nothing: pass recompute='selective' or 'full'"),
+    (-1, "full", ValueError, r"stored_microbatches=-1 must be at least 0"),
+    (True, "full", TypeError, r"stored_microbatches must be an int, got True"),
+])
+def test_microbatch_level_recompute_needs_a_policy_and_a_count(stored, recompute, error, message):
+    with pytest.raises(error, match=message):
+        sptransform.parallelize(_model(), tp=1, pp=2, recompute=recompute, stored_microbatches=stored,
+                                example_inputs=_batch())
+
+
 def test_unknown_schedule_names_the_ones_that_run():
     with pytest.raises(ValueError, match=r"schedule='pipedream' is not one sptransform runs; use one of gpipe, 1f1b"):
         sptransform.parallelize(_model(), tp=1, pp=2, schedule="pipedream", example_inputs=_batch())

@@ -55,7 +55,7 @@ def _worker(rank: int, world: int, port: int, cases: list[tuple]) -> None:
 
 
 def _train_and_compare(kind: str, tp: int, pp: int, schedule: str, stages_per_rank: int | None, tied: str,
-                       recompute: str | float = "none") -> None:
+                       recompute: str | float = "none", stored_microbatches: int | None = None) -> None:
     import sptransform
 
     model = _model(kind, layers=4)
@@ -64,7 +64,8 @@ def _train_and_compare(kind: str, tp: int, pp: int, schedule: str, stages_per_ra
     batches = [dict(input_ids=torch.randint(0, 257, (8, 16)), labels=torch.randint(0, 257, (8, 16)))
                for _ in range(3)]
     pm = sptransform.parallelize(model, tp=tp, pp=pp, schedule=schedule, n_microbatches=4,
-                                 stages_per_rank=stages_per_rank, example_inputs=batches[0], recompute=recompute)
+                                 stages_per_rank=stages_per_rank, example_inputs=batches[0], recompute=recompute,
+                                 stored_microbatches=stored_microbatches)
     assert tied in pm.explain(), pm.explain()
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-4)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-4)
@@ -92,10 +93,10 @@ def _train_and_compare(kind: str, tp: int, pp: int, schedule: str, stages_per_ra
 
 
 def _recompute_replays_dropout_exactly(tp: int, pp: int, schedule: str, stages_per_rank: int | None,
-                                       recompute: str | float) -> None:
-    """GPT-2 with dropout 0.1 everywhere: the pipeline with ``recompute`` gives bit-equal losses
-    and gradients to the pipeline without (the backward replays each stage's dropout draws), while
-    its stages keep less for backward."""
+                                       recompute: str | float, stored_microbatches: int | None = None) -> None:
+    """GPT-2 with dropout 0.1 everywhere: the pipeline with ``recompute`` (and, if given,
+    microbatch-level recomputation) gives bit-equal losses and gradients to the pipeline without
+    (the backward replays each stage's dropout draws), while its stages keep less for backward."""
     import sptransform
 
     torch.manual_seed(0)
@@ -109,7 +110,7 @@ def _recompute_replays_dropout_exactly(tp: int, pp: int, schedule: str, stages_p
     for policy in ("none", recompute):
         pm = sptransform.parallelize(copy.deepcopy(model), tp=tp, pp=pp, schedule=schedule, n_microbatches=4,
                                      stages_per_rank=stages_per_rank, example_inputs=batches[0], recompute=policy,
-                                     seed=7)
+                                     seed=7, stored_microbatches=None if policy == "none" else stored_microbatches)
         steps = []
         for step, batch in enumerate(batches):
             torch.manual_seed(5 + step)  # replicated activations draw from the default generator
@@ -134,14 +135,16 @@ SUMMED, COLOCATED, NONE = "gradients summed over those ranks every step", "(co-l
         (2, [("gpt2", 1, 2, "gpipe", None, SUMMED), ("llama", 1, 2, "1f1b", None, NONE),
              ("gpt2", 1, 2, "interleaved1f1b", 2, SUMMED), ("gpt2", 1, 2, "zbv", 2, COLOCATED),
              ("gpt2", 1, 2, "1f1b", None, SUMMED, "full"), ("llama", 1, 2, "zbv", 2, NONE, "selective"),
-             ("dropout", 1, 2, "1f1b", None, "full"), ("dropout", 1, 2, "zbv", 2, 0.5)]),
+             ("dropout", 1, 2, "1f1b", None, "full"), ("dropout", 1, 2, "zbv", 2, 0.5),
+             ("gpt2", 1, 2, "1f1b", None, SUMMED, "full", 1)]),
         (4, [("gpt2", 1, 4, "1f1b", None, SUMMED), ("gpt2", 2, 2, "1f1b", None, SUMMED),
              ("llama", 2, 2, "interleaved1f1b", 2, NONE), ("gpt2", 2, 2, "1f1b", None, SUMMED, "selective"),
-             ("dropout", 2, 2, "interleaved1f1b", 2, "full")]),
+             ("dropout", 2, 2, "interleaved1f1b", 2, "full", 1)]),
     ],
     ids=["pp2", "pp4-and-pp2xtp2"],
 )
 def test_pipeline_training_matches_single_device(world, cases):
     """pp in {2, 4}, pp x tp = 2 x 2, GPipe / 1F1B / interleaved (v=2) / ZB-V: 3 AdamW steps; with
-    recompute= (full, selective, a 0.5 budget) also against the same pipeline without recompute."""
+    recompute= (full, selective, a 0.5 budget; microbatch-level with a window of 1) also against
+    the same pipeline without recompute."""
     mp.spawn(_worker, args=(world, _free_port(), cases), nprocs=world, join=True)

@@ -8,7 +8,8 @@ import pytest
 
 from sptransform.cli import main
 from sptransform.pipeline_schedule import (
-    SCHEDULES, inflight, memory_timeline, pipeline_order, schedule_spec, simulate, stage_ranks,
+    SCHEDULES, fully_stored_microbatches, inflight, memory_timeline, pipeline_order, schedule_spec, simulate,
+    stage_ranks,
 )
 
 
@@ -75,3 +76,35 @@ def test_schedule_command_prints_the_timeline_and_draws_it(tmp_path, capsys):
 def test_schedule_command_rejects_a_placement_the_schedule_cannot_run(capsys):
     assert main(["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "zbv", "--stages-per-rank", "3"]) == 2
     assert "schedule='zbv' runs 2 stage(s) per rank, not stages_per_rank=3" in capsys.readouterr().err
+
+
+def test_microbatch_level_recompute_keeps_a_moving_window_of_fully_stored_microbatches():
+    """The paper's Figure 10 (pp=4, 9 microbatches, room for one fully stored microbatch on the
+    first stage): microbatches 0, 4 and 8 keep everything, each after the previous one's backward;
+    later stages hold fewer in flight and store more."""
+    order = pipeline_order(schedule_spec("1f1b"), 4, 1, 9)
+    stored = fully_stored_microbatches(order, 4, 1)
+    assert stored[0] == {0, 4, 8}
+    assert stored[3] == set(range(9))  # the last stage holds one microbatch at a time
+    assert [len(s) for s in stored] == sorted(len(s) for s in stored)
+    assert fully_stored_microbatches(order, 4, 0) == [set()] * 4
+    assert fully_stored_microbatches(order, 4, 4) == [set(range(9))] * 4  # a window of pp stores everything
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize("window", [1, 2])
+def test_fully_stored_microbatches_never_exceed_the_window_in_flight(name, window):
+    spec = schedule_spec(name)
+    v = spec.default_stages_per_rank
+    order = pipeline_order(spec, 4, v, 8)
+    stored = fully_stored_microbatches(order, 4 * v, window)
+    releases = "W" if any(a.kind == "W" for actions in order for a in actions) else "B"
+    for actions in order:
+        held: dict[int, int] = {}
+        for a in actions:
+            if a.microbatch in stored[a.stage]:
+                if a.kind == "F":
+                    held[a.stage] = held.get(a.stage, 0) + 1
+                    assert held[a.stage] <= window, (name, a)
+                elif a.kind == releases:
+                    held[a.stage] -= 1
