@@ -40,7 +40,6 @@ from .module import (
 )
 from .ops import RankGenerators, register_generators
 from .pipeline_plan import PipelineOptions, PipelinePlan, find_loss_output, first_microbatch, plan_pipeline
-from .pipeline_schedule import fully_stored_microbatches, pipeline_order
 from .pipeline_stage import StageModule, _FreeingStage, _Stage
 
 
@@ -81,7 +80,7 @@ class PipelinedModule(nn.Module):
         state = self._register_state(model, {n for s in local for n in s.state_names}, graph.captured)
         fixed = {i: x for i, x in enumerate(pytree.tree_leaves((tuple(mb_args), dict(mb_kwargs))))
                  if not isinstance(x, torch.Tensor)}
-        stored = self._fully_stored_microbatches()
+        stored = pipeline.fully_stored()
         self._stage_modules = [StageModule(s, state, fixed, self._rank, options.recompute, stored[s.index])
                                for s in local]
         self._tied_groups = self._tied_gradient_groups()
@@ -124,13 +123,6 @@ class PipelinedModule(nn.Module):
 
             dtensor = distribute_tensor(param.detach().clone(), self._tp_mesh, [placement], src_data_rank=0)
         return nn.Parameter(dtensor, requires_grad=param.requires_grad)
-
-    def _fully_stored_microbatches(self) -> list[set[int] | None]:
-        pipeline = self._pipeline
-        if pipeline.stored_microbatches is None:
-            return [None] * pipeline.num_stages
-        order = pipeline_order(pipeline.spec, pipeline.pp, pipeline.virtual, pipeline.n_microbatches)
-        return fully_stored_microbatches(order, pipeline.num_stages, pipeline.stored_microbatches)
 
     def _tied_gradient_groups(self) -> list[tuple[str, dist.ProcessGroup]]:
         """For each tied parameter held on several pipeline ranks, the group that sums its

@@ -62,10 +62,7 @@ def explain_pipeline(plan, options: ParallelOptions, pp_rank: int) -> str:
         lines.append(f"recompute: each stage's graph is partitioned with recompute={options.recompute!r} "
                      "(compiled on its first forward)")
     if pipeline.stored_microbatches is not None:
-        from .pipeline_schedule import fully_stored_microbatches, pipeline_order
-
-        order = pipeline_order(spec, pipeline.pp, pipeline.virtual, pipeline.n_microbatches)
-        stored = fully_stored_microbatches(order, pipeline.num_stages, pipeline.stored_microbatches)
+        stored = pipeline.fully_stored()
         lines.append(f"microbatch-level recompute (window of {pipeline.stored_microbatches}): microbatches that keep "
                      "every activation, per stage; the others run the recompute policy:")
         lines.extend(f"  stage {i}: {sorted(s) if s else 'none'}" for i, s in enumerate(stored))

@@ -27,7 +27,10 @@ from .capture import CapturedGraph, FakeTemplate, capture
 from .module import ParallelGraph
 from .passes.pipeline_split import GraphFlow, LayerBoundary, StageGraph, balance_layers, find_layer_boundaries, split_graph
 from .pipeline_costs import LayerCost, measure_layer_costs
-from .pipeline_schedule import ScheduleSpec, check_stages_per_rank, inflight, pipeline_order, schedule_spec, stage_ranks
+from .pipeline_schedule import (
+    ScheduleSpec, check_stages_per_rank, fully_stored_microbatches, inflight, pipeline_order, schedule_spec,
+    stage_ranks,
+)
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved1f1b", "looped_bfs", "zbv"]
 
@@ -72,6 +75,14 @@ class PipelineOptions:
                     f"n_microbatches={self.n_microbatches} is not a multiple of its {rounds} rounds: "
                     f"use a multiple of pp={self.pp} (or fewer than {self.pp})"
                 )
+
+    def fully_stored(self) -> list[set[int] | None]:
+        """Per stage, the microbatches that keep every activation under ``stored_microbatches``
+        (``None`` for every stage when it is not set)."""
+        if self.stored_microbatches is None:
+            return [None] * self.num_stages
+        order = pipeline_order(self.spec, self.pp, self.virtual, self.n_microbatches)
+        return fully_stored_microbatches(order, self.num_stages, self.stored_microbatches)
 
     @property
     def spec(self) -> ScheduleSpec:
