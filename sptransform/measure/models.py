@@ -29,8 +29,8 @@ class _Attention(nn.Module):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = shape.num_heads, shape.kv_heads, shape.head_dim
         widths = [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim]
-        self.widths = widths
-        if shape.qkv_projection == "fused":
+        self.widths, self.fused_qkv = widths, shape.qkv_projection == "fused"
+        if self.fused_qkv:
             self.qkv = nn.Linear(shape.hidden, sum(widths), bias=shape.bias)
         else:
             self.q, self.k, self.v = (nn.Linear(shape.hidden, w, bias=shape.bias) for w in widths)
@@ -53,7 +53,7 @@ class _Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        if hasattr(self, "qkv"):
+        if self.fused_qkv:
             q, k, v = self.qkv(x).split(self.widths, dim=-1)
         else:
             q, k, v = self.q(x), self.k(x), self.v(x)
