@@ -17,6 +17,9 @@ over the stages (the first stages take one more when they do not divide), what l
 before the first layer (embedding) on the first stage and the rest (final norm, head,
 loss) on the last, and the schedule's own order (``--schedule``, ``--microbatches``)
 says how many microbatches each stage holds at once; each rank's peak is reported.
+``--stored-microbatches K`` adds microbatch-level recomputation (Korthikanti et al.,
+Appendix C): the model is traced once more without recomputation, and within each
+stage's moving window of K in-flight microbatches a microbatch keeps those bytes.
 """
 
 from __future__ import annotations
@@ -56,6 +59,9 @@ def register(subparsers) -> None:
     parser.add_argument("--microbatches", type=int, help="with --pp: microbatches per step (default pp)")
     parser.add_argument("--schedule", default="1f1b", help="with --pp: gpipe, 1f1b, interleaved1f1b, looped_bfs or zbv")
     parser.add_argument("--stages-per-rank", type=int, help="with --pp: virtual stages per rank")
+    parser.add_argument("--stored-microbatches", type=int,
+                        help="with --pp and a --recompute policy: microbatches per stage that keep every activation "
+                             "(a moving window; the paper's Appendix C)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -91,9 +97,18 @@ def run(args) -> int:
     flops = layer_flops(measured)
     elapsed = time.perf_counter() - start
     report = summarize(measured, flops, elapsed)
+    stored = args.stored_microbatches
+    if stored is not None and (args.pp < 2 or args.recompute == "none"):
+        raise ValueError(f"--stored-microbatches {stored} chooses which pipeline microbatches skip recomputation: "
+                         "give --pp > 1 and a --recompute policy")
     if args.pp > 1 or args.microbatches is not None or args.stages_per_rank is not None:
+        everything = None
+        if stored is not None:  # what a microbatch that keeps every activation holds
+            everything = measure_shape(shape, options=RematOptions(policy="none"), seq=args.seq, batch=batch,
+                                       dtype=dtype, tp=args.tp, sp=args.sp, num_layers=2)
         report["pipeline"] = pipeline_memory(measured, pp=args.pp, microbatches=args.microbatches or args.pp,
-                                             schedule=args.schedule, stages_per_rank=args.stages_per_rank)
+                                             schedule=args.schedule, stages_per_rank=args.stages_per_rank,
+                                             stored_microbatches=stored, fully_stored=everything)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -101,11 +116,15 @@ def run(args) -> int:
     return 0
 
 
-def pipeline_memory(m, *, pp: int, microbatches: int, schedule: str, stages_per_rank: int | None) -> dict:
+def pipeline_memory(m, *, pp: int, microbatches: int, schedule: str, stages_per_rank: int | None,
+                    stored_microbatches: int | None = None, fully_stored=None) -> dict:
     """Each pipeline rank's activation bytes over one step of ``schedule``, from the measured
-    per-layer and embedding/head bytes (``m``: a ``Measurement`` of one microbatch)."""
+    per-layer and embedding/head bytes (``m``: a ``Measurement`` of one microbatch). With
+    ``stored_microbatches`` the microbatches in each stage's window keep the bytes of
+    ``fully_stored`` (the same model measured without recomputation)."""
     from sptransform.pipeline_schedule import (
-        check_stages_per_rank, memory_timeline, pipeline_order, schedule_spec, simulate, stage_ranks,
+        check_stages_per_rank, fully_stored_microbatches, memory_timeline, pipeline_order, schedule_spec, simulate,
+        stage_ranks,
     )
 
     if pp < 1 or microbatches < 1:
@@ -118,14 +137,30 @@ def pipeline_memory(m, *, pp: int, microbatches: int, schedule: str, stages_per_
         raise ValueError(f"{m.shape.name} has {layers} layers, fewer than pp x stages_per_rank = {stages} stages: "
                          f"use pp x stages_per_rank <= {layers}")
     per_stage = [layers // stages + (1 if i < layers % stages else 0) for i in range(stages)]
-    layer_bytes = m.layer_bytes()
-    embedding, head = m.memory.embedding_and_head_bytes()
-    stage_bytes = [n * layer_bytes for n in per_stage]
-    stage_bytes[0] += embedding
-    stage_bytes[-1] += head
+
+    def bytes_per_stage(measured) -> list[float]:
+        embedding, head = measured.memory.embedding_and_head_bytes()
+        out = [n * measured.layer_bytes() for n in per_stage]
+        out[0] += embedding
+        out[-1] += head
+        return out
+
+    stage_bytes = bytes_per_stage(m)
     order = pipeline_order(spec, pp, v, microbatches)
-    timeline = memory_timeline(simulate(order, stages), pp, stage_bytes)
+    size = stage_bytes
+    stored = [set() for _ in range(stages)]
+    if stored_microbatches is not None:
+        if fully_stored is None:
+            raise ValueError("stored_microbatches needs fully_stored= the measurement without recomputation")
+        stored = fully_stored_microbatches(order, stages, stored_microbatches)
+        kept_all = bytes_per_stage(fully_stored)
+
+        def size(stage: int, microbatch: int) -> float:
+            return kept_all[stage] if microbatch in stored[stage] else stage_bytes[stage]
+
+    timeline = memory_timeline(simulate(order, stages), pp, size)
     owner = stage_ranks(spec, pp, v)
+    embedding, head = m.memory.embedding_and_head_bytes()
     ranks = []
     for rank in range(pp):
         mine = [s for s in range(stages) if owner[s] == rank]
@@ -133,9 +168,12 @@ def pipeline_memory(m, *, pp: int, microbatches: int, schedule: str, stages_per_
             "rank": rank, "stages": mine, "layers": sum(per_stage[s] for s in mine),
             "bytes_per_microbatch": sum(stage_bytes[s] for s in mine),
             "peak_bytes": max(level for _, level in timeline[rank]),
+            "recomputed_microbatches": sum(microbatches - len(stored[s]) for s in mine)
+            if stored_microbatches is not None else None,
         })
     return {"pp": pp, "schedule": spec.name, "stages_per_rank": v, "microbatches": microbatches,
-            "layers_per_stage": per_stage, "embedding_bytes": embedding, "head_bytes": head, "ranks": ranks}
+            "stored_microbatches": stored_microbatches, "layers_per_stage": per_stage,
+            "embedding_bytes": embedding, "head_bytes": head, "ranks": ranks}
 
 
 def summarize(m, flops, elapsed: float) -> dict:
@@ -224,6 +262,10 @@ def print_pipeline(p: dict, sbh: int) -> None:
         "peak: most bytes held at once over one step in the schedule's own order (a forward adds its stage's "
         "bytes, its backward frees them)",
     )
+    if p["stored_microbatches"] is not None:
+        notes += (f"microbatch-level recompute, window {p['stored_microbatches']}: microbatch-stages recomputed per "
+                  f"rank {[x['recomputed_microbatches'] for x in p['ranks']]} of "
+                  f"{p['microbatches'] * p['stages_per_rank']}; the others keep every activation",)
     title = (f"pipeline: pp={p['pp']}, {p['schedule']}, {p['stages_per_rank']} stage(s) per rank, "
              f"{p['microbatches']} microbatches: activation bytes per rank")
     print_table(TextTable(title=title, columns=("rank", "stages", "layers", "per microbatch", "peak", "peak / mb",

@@ -19,7 +19,7 @@ to follow how many microbatches' activations each rank holds.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
@@ -215,15 +215,21 @@ def _dependencies(a: Action, num_stages: int) -> list[tuple[int, str, int]]:
     return after + ([(a.stage + 1, "B", a.microbatch)] if a.stage < num_stages - 1 else [])
 
 
-def memory_timeline(boxes: Sequence[Box], pp: int, stage_bytes: Sequence[float] | None = None,
+def memory_timeline(boxes: Sequence[Box], pp: int,
+                    stage_bytes: Sequence[float] | Callable[[int, int], float] | None = None,
                     *, releases: Sequence[str] = ("B", "W")) -> list[list[tuple[float, float]]]:
     """Per rank, (time, activation bytes held) steps: a forward adds its stage's bytes at its
-    start, a backward (or weight gradient) frees them at its end. Without ``stage_bytes``,
-    one unit per stage and microbatch."""
+    start, a backward (or weight gradient) frees them at its end. ``stage_bytes``: per stage,
+    or a function of (stage, microbatch); without it, one unit per stage and microbatch."""
     events: list[list[tuple[float, float]]] = [[] for _ in range(pp)]
     has_weight_step = any(b.action.kind == "W" for b in boxes)
     for b in boxes:
-        size = 1.0 if stage_bytes is None else float(stage_bytes[b.action.stage])
+        if stage_bytes is None:
+            size = 1.0
+        elif callable(stage_bytes):
+            size = float(stage_bytes(b.action.stage, b.action.microbatch))
+        else:
+            size = float(stage_bytes[b.action.stage])
         if b.action.kind == "F":
             events[b.rank].append((b.start, size))
         elif b.action.kind in releases and not (b.action.kind == "B" and has_weight_step):

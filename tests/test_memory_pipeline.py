@@ -82,3 +82,44 @@ def test_cli_reports_each_pipeline_rank(capsys):
     args = parser.parse_args(["memory", "--model", "gpt2-tiny", "--seq", "128", "--pp", "2"])
     assert args.run(args) == 0
     assert "pipeline: pp=2, 1f1b" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def gpt22b_everything():
+    """The same rank without recomputation: what a fully stored microbatch keeps."""
+    return measure_shape(PRESETS["gpt-22b"], options=RematOptions(policy="none"), tp=8, sp=True, num_layers=2)
+
+
+def test_microbatch_level_window_between_recompute_and_none(gpt22b, gpt22b_everything):
+    """1F1B, pp=4: the first rank holds 4 microbatches; with a window of 1 one of them keeps
+    everything and three the policy's bytes; a window of pp is no recompute, 0 is all recompute."""
+    def peaks(window):
+        report = pipeline_memory(gpt22b, pp=4, microbatches=8, schedule="1f1b", stages_per_rank=None,
+                                 stored_microbatches=window, fully_stored=gpt22b_everything)
+        return [r["peak_bytes"] for r in report["ranks"]], report
+
+    everything = pipeline_memory(gpt22b_everything, pp=4, microbatches=8, schedule="1f1b", stages_per_rank=None)
+    policy = pipeline_memory(gpt22b, pp=4, microbatches=8, schedule="1f1b", stages_per_rank=None)
+    full_mb = everything["ranks"][0]["bytes_per_microbatch"]
+    policy_mb = policy["ranks"][0]["bytes_per_microbatch"]
+    one, report = peaks(1)
+    assert one[0] == pytest.approx(full_mb + 3 * policy_mb)
+    assert report["ranks"][0]["recomputed_microbatches"] == 6  # microbatches 0 and 4 keep everything
+    assert report["ranks"][3]["recomputed_microbatches"] == 0  # the last rank holds one at a time
+    assert peaks(4)[0] == pytest.approx([r["peak_bytes"] for r in everything["ranks"]])
+    assert peaks(0)[0] == pytest.approx([r["peak_bytes"] for r in policy["ranks"]])
+    with pytest.raises(ValueError, match="fully_stored= the measurement without recomputation"):
+        pipeline_memory(gpt22b, pp=4, microbatches=8, schedule="1f1b", stages_per_rank=None, stored_microbatches=1)
+
+
+def test_cli_stored_microbatches_needs_a_pipeline_and_a_policy():
+    import argparse
+
+    from sptransform import memory_cli
+
+    parser = argparse.ArgumentParser()
+    memory_cli.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["memory", "--model", "gpt2-tiny", "--seq", "128", "--stored-microbatches", "1"])
+    with pytest.raises(ValueError, match=r"--stored-microbatches 1 chooses which pipeline microbatches skip "
+                                         r"recomputation: give --pp > 1 and a --recompute policy"):
+        args.run(args)
