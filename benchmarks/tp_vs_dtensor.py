@@ -91,6 +91,7 @@ def _rank_main(rank: int, worker, args: argparse.Namespace, port: int, result_pa
         if rank == 0:
             with open(result_path, "w") as f:
                 json.dump(result, f)
+        dist.barrier()  # no rank tears its connections down while another still uses them
     finally:
         dist.destroy_process_group()
 

@@ -142,6 +142,7 @@ def _run(cfg: TrainConfig) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     try:
         train(cfg)
+        dist.barrier()  # no rank tears its connections down while another still uses them
     finally:
         dist.destroy_process_group()
 

@@ -47,6 +47,7 @@ def _worker(rank: int, world: int, port: int, cases: list[tuple[str, bool]], che
             _checkpoint_round_trip(world, checkpoint)
             _compiles_without_graph_breaks(world)
             _recompute_policies_match_single_device(world)
+        dist.barrier()  # no rank tears its connections down while another still uses them
     finally:
         dist.destroy_process_group()
 

@@ -50,6 +50,7 @@ def _worker(rank: int, world: int, port: int, cases: list[tuple]) -> None:
                 _recompute_replays_dropout_exactly(*case[1:])
             else:
                 _train_and_compare(*case)
+        dist.barrier()  # no rank tears its connections down while another still uses them
     finally:
         dist.destroy_process_group()
 
