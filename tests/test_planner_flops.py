@@ -147,3 +147,20 @@ def test_bubble_is_pp_minus_one_over_interleave_times_microbatches():
     layout = Layout(tp=8, pp=8, dp=1, sequence_parallel=True, zero_stage=0, recompute="selective", micro_batch=1,
                     interleave=3)
     assert pipeline_bubble_fraction(layout, workload=Workload(global_batch=64, seq_len=2048)) == 7 / (3 * 64)
+
+
+def test_fused_attention_models_do_not_list_selective_beside_no_recompute():
+    """With one fused attention kernel there is no s x s tensor for selective recompute to drop:
+    its layouts would repeat the no-recompute ones, so the search leaves them out (unless asked
+    for alone), and selective adds no FLOPs."""
+    from sptransform.planner import SearchSpace, plan
+    from sptransform.presets import get_preset
+
+    shape = get_preset("llama3-8b")
+    cluster, workload = Cluster(gpu=get_gpu("H100"), num_gpus=8), Workload(global_batch=32, seq_len=8192)
+    policies = {c.layout.recompute for c in plan(shape, cluster=cluster, workload=workload).candidates}
+    assert policies == {"none", "full"}
+    alone = plan(shape, cluster=cluster, workload=workload, space=SearchSpace(recompute=("selective",)))
+    assert {c.layout.recompute for c in alone.candidates} == {"selective"}
+    counts = dict(batch=8, seq_len=8192)
+    assert hardware_flops(shape, recompute="selective", **counts) == model_flops(shape, **counts)

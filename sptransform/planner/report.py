@@ -69,6 +69,10 @@ def _flops_note(plan: Plan) -> str:
     extra = {policy: hardware_flops(plan.shape, recompute=policy, **counts) / model - 1
              for policy in ("selective", "full")}
     eq8 = hardware_flops(plan.shape, recompute="selective", convention="paper-eq8", **counts) / model - 1
+    if plan.shape.attention == "sdpa":
+        return (f"Model FLOPs per iteration: {model:.3e}. Hardware FLOPs add {extra['full']:.1%} with full recompute. "
+                "Attention is one fused kernel (no s x s tensor): selective recompute keeps and runs what no "
+                "recompute does, so it is not listed beside it.")
     return (f"Model FLOPs per iteration: {model:.3e}. Hardware FLOPs add {extra['selective']:.1%} with selective "
             f"recompute (eq. 8 says {eq8:.1%}) and {extra['full']:.1%} with full recompute.")
 

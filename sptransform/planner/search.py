@@ -73,6 +73,9 @@ class Plan:
 def candidate_layouts(shape: ModelShape, *, cluster: Cluster, space: SearchSpace):
     """Every combination in ``space`` with ``tp * pp * dp == num_gpus`` (validity not yet checked)."""
     tps = space.tp or tuple(divisors(cluster.gpus_per_node))
+    policies = space.recompute
+    if shape.attention == "sdpa" and "none" in policies:  # a fused kernel leaves selective nothing to drop
+        policies = tuple(p for p in policies if p != "selective")
     for tp in tps:
         pps = space.pp or tuple(divisors(max(cluster.num_gpus // tp, 1)))
         for pp in pps:
@@ -80,7 +83,7 @@ def candidate_layouts(shape: ModelShape, *, cluster: Cluster, space: SearchSpace
             zero_stages = space.zero_stages if dp > 1 else (0,)
             sequence_parallel = space.sequence_parallel if tp > 1 else (False,)
             for zero, recompute, micro_batch, sp, interleave in itertools.product(
-                zero_stages, space.recompute, space.micro_batches, sequence_parallel, space.interleave
+                zero_stages, policies, space.micro_batches, sequence_parallel, space.interleave
             ):
                 yield Layout(tp=tp, pp=pp, dp=dp, sequence_parallel=sp, zero_stage=zero, recompute=recompute,
                              micro_batch=micro_batch, interleave=interleave,
