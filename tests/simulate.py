@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import socket
 
 import torch
 import torch.distributed as dist
 from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
+
+
+def free_port() -> int:
+    """A TCP port free on this machine, for a real process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

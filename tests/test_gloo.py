@@ -8,21 +8,16 @@ from __future__ import annotations
 import copy
 import datetime
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from simulate import free_port
+
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model(kind: str):
@@ -167,4 +162,4 @@ def _recompute_policies_match_single_device(world: int) -> None:
 def test_gloo_training_matches_single_device(world, cases, tmp_path):
     """3 AdamW steps with grad clipping: losses equal single device, step-0 gradients too;
     then a torch.distributed.checkpoint save/load round trip."""
-    mp.spawn(_worker, args=(world, _free_port(), cases, str(tmp_path / "ckpt")), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), cases, str(tmp_path / "ckpt")), nprocs=world, join=True)

@@ -11,21 +11,16 @@ from __future__ import annotations
 import copy
 import datetime
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from simulate import free_port
+
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model(kind: str, layers: int):
@@ -148,4 +143,4 @@ def test_pipeline_training_matches_single_device(world, cases):
     """pp in {2, 4}, pp x tp = 2 x 2, GPipe / 1F1B / interleaved (v=2) / ZB-V: 3 AdamW steps; with
     recompute= (full, selective, a 0.5 budget; microbatch-level with a window of 1) also against
     the same pipeline without recompute."""
-    mp.spawn(_worker, args=(world, _free_port(), cases), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), cases), nprocs=world, join=True)
