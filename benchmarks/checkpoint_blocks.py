@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sptransform.measure.layer import measure_shape  # noqa: E402
 from sptransform.passes.remat import RematOptions  # noqa: E402
-from sptransform.presets import PRESETS  # noqa: E402
+from sptransform.planner.presets import PRESETS  # noqa: E402
 
 CHOICES = {
     "nothing": RematOptions(policy="none"),

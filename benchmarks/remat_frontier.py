@@ -39,7 +39,7 @@ from examples.nanogpt import GPT, Block, GPTConfig  # noqa: E402
 from sptransform.measure import partition_module  # noqa: E402
 from sptransform.measure.models import fake_copy  # noqa: E402
 from sptransform.measure.parallel import rank_graph  # noqa: E402
-from sptransform.measure.tensors import is_random  # noqa: E402
+from sptransform.graph.nodes import is_random  # noqa: E402
 from sptransform.passes.remat import RematOptions, best_within_budget  # noqa: E402
 
 NAMED = ("none", "selective", "full", "norm_upproj")

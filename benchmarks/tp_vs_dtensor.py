@@ -18,7 +18,7 @@ median AdamW step time after warm-up, and collectives per step (count and bytes 
 full tensor: all-reduce input, all-gather output, reduce-scatter input), counted the same
 way on both sides by a dispatch mode that sees every c10d / functional collective issued
 during one training step, split into forward / backward / optimizer. For sptransform the
-counts read from its graph (``sptransform.explain.collective_counts``) are printed too.
+counts read from its graph (``sptransform.runtime.explain.collective_counts``) are printed too.
 
     python benchmarks/tp_vs_dtensor.py [--layers 4 --hidden 256 --heads 8 --vocab 8192
         --seq 256 --batch 4 --steps 8 --warmup 2] [--json out.json]
@@ -308,8 +308,8 @@ def run_sides(makers: list[Callable[[], Side]], *, steps: int, warmup: int, lr: 
 
 def sptransform_graph_counts(pm, tp: int) -> dict:
     """Collectives per step as sptransform's own graph states them (count and bytes)."""
-    from sptransform.collectives import sync_grads
-    from sptransform.explain import COLLECTIVE_DIRECTIONS, collective_bytes, collective_counts, collective_nodes
+    from sptransform.runtime.collectives import sync_grads
+    from sptransform.runtime.explain import COLLECTIVE_DIRECTIONS, collective_bytes, collective_counts, collective_nodes
 
     gm = pm._last.gm
     nbytes = 0

@@ -3,6 +3,6 @@
     model = sptransform.parallelize(model, tp=8)
 """
 
-from .api import ParallelOptions, parallelize
+from sptransform.api import ParallelOptions, parallelize
 
 __all__ = ["parallelize", "ParallelOptions"]

@@ -84,7 +84,7 @@ def parallelize(
     ``pp`` each pipeline stage is partitioned on its first forward.
 
     Pipeline parallelism (``pp``, ``schedule``, ``n_microbatches``, ``stages_per_rank``;
-    see ``sptransform.pipeline``): with ``pp > 1``, or any of the others given, returns a
+    see ``sptransform.pipeline.module``): with ``pp > 1``, or any of the others given, returns a
     model trained by ``loss = model.step(*inputs, **kwargs)`` on a ``pp x tp`` mesh (a
     ``PipelinedModule``; for ``pp=1`` a ``ParallelModule`` with ``step``). ``example_inputs``
     is then a global batch, labels included; it is split into ``n_microbatches``
@@ -94,7 +94,7 @@ def parallelize(
     stage keeps every activation of up to ``k`` in-flight microbatches (a moving window) and
     runs the policy on the others.
     """
-    from .module import ParallelModule
+    from sptransform.runtime.module import ParallelModule
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallelize expects an nn.Module, got {type(model).__name__}")
@@ -106,7 +106,7 @@ def parallelize(
             "recomputes the others, but recompute='none' recomputes nothing: pass recompute='selective' or 'full'"
         )
     if pipelined:
-        from .pipeline import PipelineOptions, pipeline_parallelize
+        from sptransform.pipeline.module import PipelineOptions, pipeline_parallelize
 
         pipeline = PipelineOptions(pp=pp, schedule=schedule or "1f1b", n_microbatches=n_microbatches or 1,
                                    stages_per_rank=stages_per_rank, stored_microbatches=stored_microbatches)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from sptransform.analysis import analyze
+from sptransform.graph.analysis import analyze
 from sptransform.capture import FakeTemplate, capture
-from sptransform.sharding import DimShard, whole
+from sptransform.graph.sharding import DimShard, whole
 from tiny_models import SeqFirstLM, TinyConfig, TinyLM
 
 

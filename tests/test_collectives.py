@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import sptransform
-from sptransform.collectives import gather_seq, scatter_seq, sync_grads
-from sptransform.explain import COLLECTIVE_DIRECTIONS, collective_bytes, collective_counts, collective_nodes
+from sptransform.runtime.collectives import gather_seq, scatter_seq, sync_grads
+from sptransform.runtime.explain import COLLECTIVE_DIRECTIONS, collective_bytes, collective_counts, collective_nodes
 from simulate import fake_group
 from tiny_models import TinyConfig, TinyLM
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import sptransform
-from sptransform.ops import RankGenerators, independent_dropout, register_generators
+from sptransform.runtime.ops import RankGenerators, independent_dropout, register_generators
 from simulate import per_rank, simulated_ranks
 from tiny_models import TinyConfig, TinyLM
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from sptransform.ema import HostEMA
+from sptransform.runtime.ema import HostEMA
 
 FAST = settings(derandomize=True, max_examples=25, deadline=None)
 

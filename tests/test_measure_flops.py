@@ -12,7 +12,7 @@ from sptransform.measure.flops import graph_cost, node_cost, recomputed_nodes
 from sptransform.measure.layer import layer_flops
 from sptransform.measure.models import fake_copy
 from sptransform.passes.remat import RematOptions
-from sptransform.presets import PRESETS
+from sptransform.planner.presets import PRESETS
 
 S, B = 2048, 1
 H, A = PRESETS["gpt-175b"].hidden, PRESETS["gpt-175b"].num_heads

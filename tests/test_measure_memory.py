@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from examples.nanogpt import GPT, Block, GPTConfig
-from sptransform import memory_cli
+from sptransform.cli import memory as memory_cli
 from sptransform.measure import REGIONS, measure_shape, partition_module
 from sptransform.measure.memory import paper_layer_bytes
 from sptransform.measure.models import fake_copy
 from sptransform.passes.remat import RematOptions
-from sptransform.presets import PRESETS
+from sptransform.planner.presets import PRESETS
 
 PAPER_MODELS = ("gpt-22b", "gpt-175b", "gpt-530b", "gpt-1t")
 # Table 2's rows: (tp, sp, policy); "full" re-runs the layer's collectives as Megatron does.

@@ -9,8 +9,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from sptransform.measure.regions import classify_regions
-from sptransform.measure.tensors import is_fused_attention, is_random, is_view, storage_nbytes, storage_root
+from sptransform.graph.regions import classify_regions
+from sptransform.graph.nodes import is_fused_attention, is_random, is_view, storage_nbytes, storage_root
 
 aten = torch.ops.aten
 S, H, A = 8, 16, 2

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from sptransform.measure.layer import measure_shape
-from sptransform.memory_cli import pipeline_memory
+from sptransform.cli.memory import pipeline_memory
 from sptransform.passes.remat import RematOptions
 from sptransform.planner.memory import layers_in_flight
-from sptransform.presets import PRESETS
+from sptransform.planner.presets import PRESETS
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def test_cli_reports_each_pipeline_rank(capsys):
     import argparse
     import json
 
-    from sptransform import memory_cli
+    from sptransform.cli import memory as memory_cli
 
     parser = argparse.ArgumentParser()
     memory_cli.register(parser.add_subparsers(dest="command"))
@@ -115,7 +115,7 @@ def test_microbatch_level_window_between_recompute_and_none(gpt22b, gpt22b_every
 def test_cli_stored_microbatches_needs_a_pipeline_and_a_policy():
     import argparse
 
-    from sptransform import memory_cli
+    from sptransform.cli import memory as memory_cli
 
     parser = argparse.ArgumentParser()
     memory_cli.register(parser.add_subparsers(dest="command"))

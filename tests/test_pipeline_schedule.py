@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from sptransform.cli import main
-from sptransform.pipeline_schedule import (
+from sptransform.pipeline.schedule import (
     SCHEDULES, fully_stored_microbatches, inflight, memory_timeline, pipeline_order, schedule_spec, simulate,
     stage_ranks,
 )

@@ -13,13 +13,13 @@ import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sptransform.analysis import analyze
+from sptransform.graph.analysis import analyze
 from sptransform.capture import FakeTemplate, capture
 from sptransform.passes.pipeline_split import (
     GraphFlow, balance_layers, find_layer_boundaries, split_graph, stage_costs,
 )
-from sptransform.pipeline_plan import find_loss_output
-from sptransform.pipeline_costs import measure_layer_costs
+from sptransform.pipeline.plan import find_loss_output
+from sptransform.pipeline.costs import measure_layer_costs
 from tiny_models import Block, TinyConfig, TinyLM
 
 

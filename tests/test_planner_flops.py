@@ -13,7 +13,7 @@ from sptransform.planner.layout import Layout
 from sptransform.planner.opflops import layer_ops, roofline
 from sptransform.planner.throughput import estimate_utilization, pipeline_bubble_fraction
 from sptransform.planner.workload import Workload
-from sptransform.presets import ModelShape, get_preset
+from sptransform.planner.presets import ModelShape, get_preset
 
 FAST = settings(derandomize=True, max_examples=25, deadline=None)
 A100 = get_gpu("A100-80G")
@@ -154,7 +154,7 @@ def test_fused_attention_models_do_not_list_selective_beside_no_recompute():
     its layouts would repeat the no-recompute ones, so the search leaves them out (unless asked
     for alone), and selective adds no FLOPs."""
     from sptransform.planner import SearchSpace, plan
-    from sptransform.presets import get_preset
+    from sptransform.planner.presets import get_preset
 
     shape = get_preset("llama3-8b")
     cluster, workload = Cluster(gpu=get_gpu("H100"), num_gpus=8), Workload(global_batch=32, seq_len=8192)

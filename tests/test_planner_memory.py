@@ -16,7 +16,7 @@ from sptransform.planner.layout import Layout
 from sptransform.planner.memory import layers_in_flight, model_state_bytes, rank_memory
 from sptransform.planner.params import total_params
 from sptransform.planner.workload import FP16_ADAM_WITH_FP32_GRADIENTS, StateBytes, Workload
-from sptransform.presets import ModelShape, get_preset
+from sptransform.planner.presets import ModelShape, get_preset
 
 FAST = settings(derandomize=True, max_examples=25, deadline=None)
 

@@ -13,7 +13,7 @@ from sptransform.measure.parallel import rank_graph
 from sptransform.measure.partitioned import partition_module
 from sptransform.passes.remat import RematOptions
 from sptransform.planner.activations import activation_bytes_per_layer
-from sptransform.presets import PRESETS, shape_from_hf_dict
+from sptransform.planner.presets import PRESETS, shape_from_hf_dict
 
 POLICIES = ["none", "selective", "full"]
 CASES = [

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from sptransform.measure import measure_shape, partition_module
 from sptransform.measure.flops import node_cost, recomputed_nodes
 from sptransform.measure.parallel import join_fake_group
-from sptransform.measure.tensors import is_collective
+from sptransform.graph.nodes import is_collective
 from sptransform.passes.remat import POLICIES, RematOptions, analysis_cost
-from sptransform.presets import PRESETS
+from sptransform.planner.presets import PRESETS
 
 TINY = PRESETS["gpt2-tiny"]  # 2 layers, h=128, 4 heads, explicit attention, dropout 0.1
 

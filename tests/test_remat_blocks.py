@@ -6,7 +6,7 @@ import pytest
 
 from sptransform.measure.layer import measure_shape
 from sptransform.passes.remat import RematOptions
-from sptransform.presets import PRESETS
+from sptransform.planner.presets import PRESETS
 
 SEQ = 256
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sptransform.sharding import DimShard, reshape_spec, view_groups, whole
+from sptransform.graph.sharding import DimShard, reshape_spec, view_groups, whole
 
 
 def test_view_groups_pair_merged_and_split_dims():

@@ -6,9 +6,9 @@ the drivers that run the rematerialisation pass (``partitioned.partition_module`
 analysis without a cycle.
 """
 
-from .flops import Cost, FlopsReport, flops_report
-from .memory import MemoryReport, SavedTensor, memory_report, paper_layer_bytes
-from .regions import REGIONS, GraphRegions, classify_regions
+from sptransform.measure.flops import Cost, FlopsReport, flops_report
+from sptransform.measure.memory import MemoryReport, SavedTensor, memory_report, paper_layer_bytes
+from sptransform.graph.regions import REGIONS, GraphRegions, classify_regions
 
 _DRIVERS = {
     "Partitioned": "partitioned",

@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
-from .tensors import is_collective, is_view, packet, tensor_val, val
+from sptransform.graph.nodes import is_collective, is_view, packet, tensor_val, val
 
 aten = torch.ops.aten
 

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import torch
 
 from sptransform.passes.remat import RematOptions
-from sptransform.presets import ModelShape
+from sptransform.planner.presets import ModelShape
 
-from .flops import FlopsReport
-from .memory import MemoryReport, element_size, paper_layer_bytes
-from .models import ShapeModel, fake_model
-from .parallel import rank_graph
-from .partitioned import Partitioned, partition_module
+from sptransform.measure.flops import FlopsReport
+from sptransform.measure.memory import MemoryReport, element_size, paper_layer_bytes
+from sptransform.measure.models import ShapeModel, fake_model
+from sptransform.measure.parallel import rank_graph
+from sptransform.measure.partitioned import Partitioned, partition_module
 
 
 @dataclass

@@ -26,10 +26,10 @@ from typing import Literal, Sequence
 import torch
 import torch.fx as fx
 
-from sptransform.presets import ModelShape
+from sptransform.planner.presets import ModelShape
 
-from .regions import REGIONS, classify_regions
-from .tensors import is_multi_output, is_view, storage_nbytes, storage_root, tensor_val
+from sptransform.graph.regions import REGIONS, classify_regions
+from sptransform.graph.nodes import is_multi_output, is_view, storage_nbytes, storage_root, tensor_val
 
 RNG_STATE_REGION = "dropout_masks"
 """A replayed dropout saves its RNG state instead of its mask; it is counted with the masks."""

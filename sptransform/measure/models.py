@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from sptransform.presets import ModelShape
+from sptransform.planner.presets import ModelShape
 
 
 class _Attention(nn.Module):

@@ -53,8 +53,8 @@ def rank_graph(model: nn.Module, args: tuple, *, tp: int, sp: bool) -> RankGraph
     """Rank 0's forward graph of ``parallelize(model, tp=tp, sp=sp)`` on inputs shaped like ``args``."""
     from sptransform.api import ParallelOptions
     from sptransform.capture import FakeTemplate
-    from sptransform.module import build_parallel_graph
-    from sptransform.ops import RankGenerators, register_generators
+    from sptransform.runtime.module import build_parallel_graph
+    from sptransform.runtime.ops import RankGenerators, register_generators
 
     group = join_fake_group(tp)
     template = FakeTemplate(model, torch.device("cpu"))

@@ -30,8 +30,8 @@ from sptransform.passes.remat import (
     tag_forward,
 )
 
-from .flops import FlopsReport, flops_report
-from .memory import MemoryReport, memory_report
+from sptransform.measure.flops import FlopsReport, flops_report
+from sptransform.measure.memory import MemoryReport, memory_report
 
 
 @dataclass

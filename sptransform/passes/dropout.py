@@ -20,10 +20,10 @@ from typing import Literal
 import torch
 import torch.fx as fx
 
-from ..ops import independent_dropout, reference_dropout
-from ..plan import ParallelPlan
-from ..sharding import describe, packet
-from .localize import index_table
+from sptransform.runtime.ops import independent_dropout, reference_dropout
+from sptransform.graph.plan import ParallelPlan
+from sptransform.graph.sharding import describe, packet
+from sptransform.passes.localize import index_table
 
 aten = torch.ops.aten
 

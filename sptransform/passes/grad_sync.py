@@ -21,8 +21,8 @@ from collections import defaultdict
 
 import torch.fx as fx
 
-from ..collectives import sync_grads
-from ..plan import ParallelPlan
+from sptransform.runtime.collectives import sync_grads
+from sptransform.graph.plan import ParallelPlan
 
 
 def bucket_replicated_grads(gm: fx.GraphModule, plan: ParallelPlan, row_layers: list[tuple[fx.Node, int]]) -> fx.GraphModule:

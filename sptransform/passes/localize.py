@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..sharding import DimShard, packet, shape_of, split_dim, split_output_specs
+from sptransform.graph.sharding import DimShard, packet, shape_of, split_dim, split_output_specs
 
 aten = torch.ops.aten
 

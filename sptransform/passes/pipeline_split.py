@@ -36,9 +36,9 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 
-from ..analysis import ModelAnalysis
-from ..capture import CapturedGraph
-from ..ops import independent_dropout, reference_dropout
+from sptransform.graph.analysis import ModelAnalysis
+from sptransform.capture import CapturedGraph
+from sptransform.runtime.ops import independent_dropout, reference_dropout
 
 aten = torch.ops.aten
 

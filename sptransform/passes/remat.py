@@ -64,8 +64,8 @@ from torch._guards import detect_fake_mode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from sptransform.measure.flops import FORWARD_TAG, Cost, node_cost
-from sptransform.measure.regions import GraphRegions, classify_regions
-from sptransform.measure.tensors import (
+from sptransform.graph.regions import GraphRegions, classify_regions
+from sptransform.graph.nodes import (
     is_collective,
     is_multi_output,
     is_random,
@@ -75,7 +75,7 @@ from sptransform.measure.tensors import (
     val,
 )
 
-from .remat_rng import (  # noqa: F401  (re-exported: graphs and measure refer to them here)
+from sptransform.passes.remat_rng import (  # noqa: F401  (re-exported: graphs and measure refer to them here)
     generator_state,
     run_with_generator_state,
     replay_own_generators,

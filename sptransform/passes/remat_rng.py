@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from sptransform.measure.tensors import is_collective, val
+from sptransform.graph.nodes import is_collective, val
 
 aten = torch.ops.aten
 

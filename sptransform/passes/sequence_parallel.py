@@ -18,11 +18,11 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..collectives import gather_output, gather_seq, scatter_seq
-from ..plan import ParallelPlan
-from ..sharding import DimShard, ShardingError, describe, output_spec_for_inputs, packet, shape_of, whole
-from .localize import localize
-from .tensor_parallel import cut_for_users, finish_exit
+from sptransform.runtime.collectives import gather_output, gather_seq, scatter_seq
+from sptransform.graph.plan import ParallelPlan
+from sptransform.graph.sharding import DimShard, ShardingError, describe, output_spec_for_inputs, packet, shape_of, whole
+from sptransform.passes.localize import localize
+from sptransform.passes.tensor_parallel import cut_for_users, finish_exit
 
 aten = torch.ops.aten
 

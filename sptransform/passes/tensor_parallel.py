@@ -24,11 +24,11 @@ import math
 import torch
 import torch.fx as fx
 
-from ..analysis import LinearMatch, ModelAnalysis, Region
-from ..ops import narrow_vocab, pad_last, pad_rows, take_local, vocab_parallel_cross_entropy, vocab_parallel_embedding
-from ..plan import Exit, ParallelPlan, ParamPlacement
-from ..sharding import DimShard, ShardingError, describe, is_getitem, is_split, packet, shape_of, whole
-from .localize import index_table, localize, localize_split
+from sptransform.graph.analysis import LinearMatch, ModelAnalysis, Region
+from sptransform.runtime.ops import narrow_vocab, pad_last, pad_rows, take_local, vocab_parallel_cross_entropy, vocab_parallel_embedding
+from sptransform.graph.plan import Exit, ParallelPlan, ParamPlacement
+from sptransform.graph.sharding import DimShard, ShardingError, describe, is_getitem, is_split, packet, shape_of, whole
+from sptransform.passes.localize import index_table, localize, localize_split
 
 aten = torch.ops.aten
 
@@ -228,7 +228,7 @@ def insert_tp_collectives(gm: fx.GraphModule, plan: ParallelPlan) -> fx.GraphMod
                  q = linear(h_f, Wq_r) ... ; y = reduce_from_tp(mm(a_r, Wo_r)); z = add(add(y, b_o))  # f̄
 
     One f per activation, however many column-parallel linears read it."""
-    from ..collectives import copy_to_tp, reduce_from_tp
+    from sptransform.runtime.collectives import copy_to_tp, reduce_from_tp
 
     for activation, consumers in plan.entries.items():
         with gm.graph.inserting_after(activation):

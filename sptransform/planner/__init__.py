@@ -1,7 +1,7 @@
 """The planner: per-rank memory and FLOPs budgets, MFU/HFU, and the layouts that fit.
 
     from sptransform.planner import Cluster, Workload, get_gpu, plan
-    from sptransform.presets import get_preset
+    from sptransform.planner.presets import get_preset
 
     result = plan(get_preset("gpt-175b"), cluster=Cluster(gpu=get_gpu("A100-80G"), num_gpus=64),
                   workload=Workload(global_batch=64, seq_len=2048))

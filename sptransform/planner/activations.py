@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from sptransform.presets import ModelShape
+from sptransform.planner.presets import ModelShape
 
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE_POLICIES: tuple[Recompute, ...] = ("none", "selective", "full")

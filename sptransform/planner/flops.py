@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from sptransform.planner.activations import Recompute
-from sptransform.presets import ModelShape
+from sptransform.planner.presets import ModelShape
 
 HardwareConvention = Literal["actual", "paper-eq8"]
 

@@ -9,7 +9,7 @@ from sptransform.planner.activations import RECOMPUTE_POLICIES, Recompute, check
 from sptransform.planner.cluster import Cluster
 from sptransform.planner.params import divisors
 from sptransform.planner.workload import Workload
-from sptransform.presets import ModelShape
+from sptransform.planner.presets import ModelShape
 
 ZeroStage = Literal[0, 1, 2, 3]
 

@@ -17,7 +17,7 @@ from sptransform.planner.activations import activation_bytes_per_layer
 from sptransform.planner.layout import Layout
 from sptransform.planner.params import ShardableCount, embedding_params, head_params, layer_params
 from sptransform.planner.workload import StateBytes, Workload
-from sptransform.presets import ModelShape
+from sptransform.planner.presets import ModelShape
 
 GPU_BUCKETS = ("weights", "gradients", "optimizer", "ema", "activations", "embedding_head")
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from sptransform.planner.cluster import GPU
-from sptransform.presets import ModelShape
+from sptransform.planner.presets import ModelShape
 
 Mode = Literal["train", "decode"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from sptransform.presets import ModelShape
+from sptransform.planner.presets import ModelShape
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,7 +13,7 @@ from sptransform.planner.memory import MemoryBudget, rank_memory
 from sptransform.planner.params import divisors
 from sptransform.planner.throughput import CommunicationTime, estimate_utilization
 from sptransform.planner.workload import Workload
-from sptransform.presets import ModelShape
+from sptransform.planner.presets import ModelShape
 
 DEFAULT_ACHIEVED_FRACTION = 0.55
 """Share of peak FLOP/s a GPU sustains on the hardware FLOPs while the pipeline is

@@ -24,7 +24,7 @@ from sptransform.planner.flops import Utilization, hardware_flops, utilization
 from sptransform.planner.layout import Layout
 from sptransform.planner.params import total_params
 from sptransform.planner.workload import Workload
-from sptransform.presets import ModelShape
+from sptransform.planner.presets import ModelShape
 
 
 @dataclass(frozen=True, kw_only=True)

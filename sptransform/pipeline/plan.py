@@ -22,12 +22,12 @@ import torch.fx as fx
 from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 from torch.utils import _pytree as pytree
 
-from .analysis import ModelAnalysis, analyze
-from .capture import CapturedGraph, FakeTemplate, capture
-from .module import ParallelGraph
-from .passes.pipeline_split import GraphFlow, LayerBoundary, StageGraph, balance_layers, find_layer_boundaries, split_graph
-from .pipeline_costs import LayerCost, measure_layer_costs
-from .pipeline_schedule import (
+from sptransform.graph.analysis import ModelAnalysis, analyze
+from sptransform.capture import CapturedGraph, FakeTemplate, capture
+from sptransform.runtime.module import ParallelGraph
+from sptransform.passes.pipeline_split import GraphFlow, LayerBoundary, StageGraph, balance_layers, find_layer_boundaries, split_graph
+from sptransform.pipeline.costs import LayerCost, measure_layer_costs
+from sptransform.pipeline.schedule import (
     ScheduleSpec, check_stages_per_rank, fully_stored_microbatches, inflight, pipeline_order, schedule_spec,
     stage_ranks,
 )

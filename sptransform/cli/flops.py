@@ -15,7 +15,7 @@ from dataclasses import asdict
 from sptransform.planner.cluster import GPU_PRESETS, get_gpu
 from sptransform.planner.opflops import RooflineRow, layer_ops, roofline
 from sptransform.planner.tables import TextTable, print_table
-from sptransform.presets import PRESETS, get_preset
+from sptransform.planner.presets import PRESETS, get_preset
 
 
 def register(subparsers) -> None:

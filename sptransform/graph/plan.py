@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from .sharding import DimShard
+from sptransform.graph.sharding import DimShard
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,8 @@ from typing import Literal
 import torch
 import torch.fx as fx
 
-from .capture import CapturedGraph
-from .sharding import (
+from sptransform.capture import CapturedGraph
+from sptransform.graph.sharding import (
     DimShard,
     ShardingError,
     describe,

@@ -32,15 +32,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils import _pytree as pytree
 
-from .analysis import analyze
-from .api import ParallelOptions
-from .capture import CapturedGraph, FakeTemplate, input_signature
-from .module import (
+from sptransform.graph.analysis import analyze
+from sptransform.api import ParallelOptions
+from sptransform.capture import CapturedGraph, FakeTemplate, input_signature
+from sptransform.runtime.module import (
     ParallelModule, _call_defaults, _local_shape, _set_by_path, build_parallel_graph, placement_of,
 )
-from .ops import RankGenerators, register_generators
-from .pipeline_plan import PipelineOptions, PipelinePlan, find_loss_output, first_microbatch, plan_pipeline
-from .pipeline_stage import StageModule, _FreeingStage, _Stage
+from sptransform.runtime.ops import RankGenerators, register_generators
+from sptransform.pipeline.plan import PipelineOptions, PipelinePlan, find_loss_output, first_microbatch, plan_pipeline
+from sptransform.pipeline.stage import StageModule, _FreeingStage, _Stage
 
 
 class _MicrobatchMean:
@@ -214,7 +214,7 @@ class PipelinedModule(nn.Module):
         return list(self._stage_modules)
 
     def explain(self) -> str:
-        from .pipeline_explain import explain_pipeline
+        from sptransform.pipeline.explain import explain_pipeline
 
         return explain_pipeline(self.pipeline_plan, self._options, self._pp_rank)
 
@@ -265,7 +265,7 @@ def pipeline_parallelize(model: nn.Module, *, options: ParallelOptions, pipeline
     """``parallelize``'s pipeline branch: a ``PipelinedModule``, or for pp=1 a ``SteppedModule``."""
     device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
     if pipeline.pp == 1:
-        from .api import _resolve_mesh
+        from sptransform.api import _resolve_mesh
 
         tp_mesh = _resolve_mesh(options, mesh, model)
         return SteppedModule(model, options=options, mesh=tp_mesh, example_args=example_args,

@@ -32,7 +32,7 @@ from typing import Iterable, Literal, get_args
 import torch
 import torch.fx as fx
 
-from .tensors import (
+from sptransform.graph.nodes import (
     is_collective,
     is_fused_attention,
     is_matmul,

@@ -17,8 +17,8 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .module import _set_by_path
-from .passes.pipeline_split import StageGraph
+from sptransform.runtime.module import _set_by_path
+from sptransform.passes.pipeline_split import StageGraph
 
 
 class StageModule(nn.Module):
@@ -105,7 +105,7 @@ class StageModule(nn.Module):
 
     def _remat_runner(self, activations: tuple, state: list, user: list):
         if self._remat is None:
-            from .module import compile_with_remat
+            from sptransform.runtime.module import compile_with_remat
 
             inputs = [*activations, *state, *user, *self._extra]
             first_state = len(activations)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .api import ParallelOptions
+from sptransform.api import ParallelOptions
 
 
 def explain_pipeline(plan, options: ParallelOptions, pp_rank: int) -> str:

@@ -14,7 +14,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed._local_tensor import local_tensor_mode
 
-from .collectives import _all_reduce
+from sptransform.runtime.collectives import _all_reduce
 
 
 def take_local(x: torch.Tensor, dim: int, table: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:

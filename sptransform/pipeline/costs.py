@@ -24,8 +24,8 @@ from torch._guards import detect_fake_mode
 
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .measure.flops import node_cost
-from .passes.pipeline_split import GraphFlow, LayerBoundary
+from sptransform.measure.flops import node_cost
+from sptransform.passes.pipeline_split import GraphFlow, LayerBoundary
 
 BACKWARD_FACTOR = 3
 """Forward + backward work over the forward's."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .collectives import copy_to_tp, gather_output, gather_seq, reduce_from_tp, scatter_seq, sync_grads
-from .ops import vocab_parallel_cross_entropy
+from sptransform.runtime.collectives import copy_to_tp, gather_output, gather_seq, reduce_from_tp, scatter_seq, sync_grads
+from sptransform.runtime.ops import vocab_parallel_cross_entropy
 
 COLLECTIVE_DIRECTIONS: dict = {
     # graph op: (collectives its forward runs, collectives its backward runs)

@@ -10,14 +10,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sptransform import memory_cli, schedule_cli
-from sptransform.planner import flops_command, plan_command
+from sptransform.cli import flops, memory, plan, schedule
 
 SUBCOMMANDS = (
-    plan_command,
-    flops_command,
-    memory_cli,
-    schedule_cli,
+    plan,
+    flops,
+    memory,
+    schedule,
 )
 
 

@@ -23,7 +23,7 @@ from sptransform.planner.report import plan_json, plan_table, plot_plan
 from sptransform.planner.search import DEFAULT_ACHIEVED_FRACTION, SearchSpace, plan
 from sptransform.planner.tables import TextTable, plot_stacked_bars, print_table
 from sptransform.planner.workload import StateBytes, Workload
-from sptransform.presets import PRESETS, get_preset
+from sptransform.planner.presets import PRESETS, get_preset
 
 SCENARIOS = ("deepseek-v3-chapter",)
 

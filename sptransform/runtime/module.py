@@ -21,17 +21,17 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils import _pytree as pytree
 
-from .analysis import ModelAnalysis, analyze
-from .api import ParallelOptions
-from .collectives import _resolve
-from .capture import CapturedGraph, FakeTemplate, capture, input_signature
-from .ops import RankGenerators, register_generators
-from .passes.dropout import shard_dropout
-from .passes.grad_sync import bucket_replicated_grads
-from .passes.sequence_parallel import sequence_parallel
-from .passes.tensor_parallel import insert_tp_collectives, shard_linears
-from .plan import ParallelPlan, ParamPlacement
-from .sharding import DimShard
+from sptransform.graph.analysis import ModelAnalysis, analyze
+from sptransform.api import ParallelOptions
+from sptransform.runtime.collectives import _resolve
+from sptransform.capture import CapturedGraph, FakeTemplate, capture, input_signature
+from sptransform.runtime.ops import RankGenerators, register_generators
+from sptransform.passes.dropout import shard_dropout
+from sptransform.passes.grad_sync import bucket_replicated_grads
+from sptransform.passes.sequence_parallel import sequence_parallel
+from sptransform.passes.tensor_parallel import insert_tp_collectives, shard_linears
+from sptransform.graph.plan import ParallelPlan, ParamPlacement
+from sptransform.graph.sharding import DimShard
 
 
 @dataclass
@@ -83,8 +83,8 @@ def compile_with_remat(gm: fx.GraphModule, inputs: list, recompute, state_positi
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_module_simplified
 
-    from .measure.partitioned import state_count
-    from .passes.remat import RematOptions, remat_partition
+    from sptransform.measure.partitioned import state_count
+    from sptransform.passes.remat import RematOptions, remat_partition
 
     gm = copy.deepcopy(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -291,7 +291,7 @@ class ParallelModule(nn.Module):
         return self._last.plan
 
     def explain(self) -> str:
-        from .explain import explain
+        from sptransform.runtime.explain import explain
 
         return explain(self._last, self._options)
 

@@ -38,7 +38,7 @@ def register(subparsers) -> None:
 
 def timeline(pp: int, microbatches: int, schedule: str, stages_per_rank: int | None, backward_ratio: float):
     """(spec, v, boxes, memory steps per rank) of one schedule."""
-    from sptransform.pipeline_schedule import (
+    from sptransform.pipeline.schedule import (
         check_stages_per_rank, memory_timeline, pipeline_order, schedule_spec, simulate,
     )
 

@@ -30,7 +30,7 @@ import re
 import time
 
 from sptransform.planner.tables import TextTable, print_table
-from sptransform.presets import PRESETS, get_preset
+from sptransform.planner.presets import PRESETS, get_preset
 
 # the measuring modules (torch, AOTAutograd, networkx) load when the command runs, not when
 # the CLI builds its parsers
@@ -122,7 +122,7 @@ def pipeline_memory(m, *, pp: int, microbatches: int, schedule: str, stages_per_
     per-layer and embedding/head bytes (``m``: a ``Measurement`` of one microbatch). With
     ``stored_microbatches`` the microbatches in each stage's window keep the bytes of
     ``fully_stored`` (the same model measured without recomputation)."""
-    from sptransform.pipeline_schedule import (
+    from sptransform.pipeline.schedule import (
         check_stages_per_rank, fully_stored_microbatches, memory_timeline, pipeline_order, schedule_spec, simulate,
         stage_ranks,
     )
@@ -179,7 +179,7 @@ def pipeline_memory(m, *, pp: int, microbatches: int, schedule: str, stages_per_
 def summarize(m, flops, elapsed: float) -> dict:
     """Everything the command prints, as plain values (``m``: a ``Measurement``)."""
     from sptransform.measure.memory import paper_row_name
-    from sptransform.measure.regions import REGIONS
+    from sptransform.graph.regions import REGIONS
 
     per_layer = m.memory.per_layer()
     paper = m.paper()
@@ -213,7 +213,7 @@ def _gib(x: float) -> str:
 
 
 def print_report(r: dict) -> None:
-    from sptransform.measure.regions import REGIONS
+    from sptransform.graph.regions import REGIONS
 
     sbh = r["sbh"]
     paper = r["paper_per_layer_bytes"] or {}

@@ -1,0 +1,1 @@
+"""Pipeline parallelism: plan (boundaries, costs, balance), schedules, stages, the pipelined module."""
