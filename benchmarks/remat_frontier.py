@@ -25,7 +25,6 @@ ops the paper does not count), the ratio is shown.
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 import time
 from dataclasses import dataclass

@@ -3,6 +3,7 @@
     model = sptransform.parallelize(model, tp=8)
 """
 
-from sptransform.api import ParallelOptions, parallelize
+from sptransform.api import parallelize
+from sptransform.options import ParallelOptions
 
 __all__ = ["parallelize", "ParallelOptions"]

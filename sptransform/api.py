@@ -1,53 +1,23 @@
-"""``parallelize``: the public entry point, and its options, validated once here."""
+"""``parallelize``: the public entry point. Options are validated here, once (``sptransform.options``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
-
-@dataclass(frozen=True, kw_only=True)
-class ParallelOptions:
-    tp: int
-    """Tensor-parallel degree: ranks that split every linear."""
-    sp: bool = True
-    """Sequence parallelism: norms, dropouts and residuals split along the sequence."""
-    dropout_rng: Literal["independent", "reference"] = "independent"
-    """``independent``: split activations draw masks from a per-rank generator;
-    ``reference``: masks equal the single-device model's bit for bit (tests)."""
-    seed: int | None = None
-    """Seed of the per-rank dropout generators; default ``torch.initial_seed()``."""
-    recompute: str | float | int = "none"
-    """Rematerialisation of the parallel graph (``sptransform.passes.remat``): ``"none"``,
-    ``"selective"`` (attention internals), ``"full"`` (all but each layer's input),
-    ``"norm_upproj"``, or a memory budget: bytes per rank (int > 1) or a fraction of
-    ``"none"`` (float in (0, 1])."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.tp, bool) or not isinstance(self.tp, int):
-            raise TypeError(f"tp must be an int, got {self.tp!r} ({type(self.tp).__name__})")
-        if self.tp < 1:
-            raise ValueError(f"tp={self.tp} must be at least 1")
-        if not isinstance(self.sp, bool):
-            raise TypeError(f"sp must be True or False, got {self.sp!r}")
-        if self.dropout_rng not in ("independent", "reference"):
-            raise ValueError(f"dropout_rng={self.dropout_rng!r}: use 'independent' or 'reference'")
-        if isinstance(self.recompute, str):
-            if self.recompute not in RECOMPUTE_POLICIES:
-                raise ValueError(
-                    f"recompute={self.recompute!r} is not a policy: use one of {list(RECOMPUTE_POLICIES)} "
-                    "or a memory budget (bytes per rank, or a fraction of 'none' in (0, 1])"
-                )
-        elif isinstance(self.recompute, bool) or not isinstance(self.recompute, (int, float)) or self.recompute <= 0:
-            raise ValueError(f"recompute={self.recompute!r}: a budget must be a positive number of bytes or a fraction")
-
-
-RECOMPUTE_POLICIES = ("none", "selective", "full", "norm_upproj")
+from sptransform.capture import FakeTemplate
+from sptransform.options import ParallelOptions, PipelineOptions
+from sptransform.pipeline.module import PipelinedModule
+from sptransform.pipeline.schedule import check_pipeline_options
+from sptransform.runtime.mesh import resolve_pipeline_mesh, resolve_tp_mesh
+from sptransform.runtime.module import ParallelModule, SteppedModule
+from sptransform.runtime.ops import RankGenerators, register_generators
+from sptransform.runtime.params import device_of
+from sptransform.torch_internals import local_tensor_mode, maybe_disable_local_tensor_mode
+from sptransform.transform import GraphFactory
 
 
 def parallelize(
@@ -94,8 +64,6 @@ def parallelize(
     stage keeps every activation of up to ``k`` in-flight microbatches (a moving window) and
     runs the policy on the others.
     """
-    from sptransform.runtime.module import ParallelModule
-
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallelize expects an nn.Module, got {type(model).__name__}")
     options = ParallelOptions(tp=tp, sp=sp, dropout_rng=dropout_rng, seed=seed, recompute=recompute)
@@ -105,48 +73,35 @@ def parallelize(
             f"stored_microbatches={stored_microbatches} keeps every activation of that many microbatches and "
             "recomputes the others, but recompute='none' recomputes nothing: pass recompute='selective' or 'full'"
         )
+    device = device_of(model)
     if pipelined:
-        from sptransform.pipeline.module import PipelineOptions, pipeline_parallelize
-
         pipeline = PipelineOptions(pp=pp, schedule=schedule or "1f1b", n_microbatches=n_microbatches or 1,
                                    stages_per_rank=stages_per_rank, stored_microbatches=stored_microbatches)
+        check_pipeline_options(pipeline)
         args, kwargs = normalize_example_inputs(model, example_inputs, tp)
-        return pipeline_parallelize(model, options=options, pipeline=pipeline, mesh=mesh,
-                                    example_args=args, example_kwargs=kwargs)
-    mesh = _resolve_mesh(options, mesh, model)
+        if pipeline.pp == 1:
+            tp_mesh = resolve_tp_mesh(tp, mesh, device)
+            return SteppedModule(model, factory=_factory(model, options, tp_mesh, device), options=options,
+                                 mesh=tp_mesh, example_args=args, example_kwargs=kwargs)
+        mesh = resolve_pipeline_mesh(pipeline.pp, tp, mesh, device)
+        return PipelinedModule(model, factory=_factory(model, options, mesh["tp"], device), options=options,
+                               pipeline=pipeline, mesh=mesh, example_args=args, example_kwargs=kwargs)
+    mesh = resolve_tp_mesh(tp, mesh, device)
     args, kwargs = normalize_example_inputs(model, example_inputs, tp)
-    return ParallelModule(model, options=options, mesh=mesh, example_args=args, example_kwargs=kwargs)
+    return ParallelModule(model, factory=_factory(model, options, mesh, device), options=options, mesh=mesh,
+                          example_args=args, example_kwargs=kwargs)
 
 
-def _resolve_mesh(options: ParallelOptions, mesh: DeviceMesh | None, model: nn.Module) -> DeviceMesh | None:
-    tp = options.tp
-    if mesh is not None:
-        if mesh.ndim != 1 or mesh.size() != tp:
-            raise ValueError(f"mesh has shape {tuple(mesh.shape)} but tp={tp}: pass a 1-D mesh of {tp} ranks")
-        return mesh
-    if not dist.is_available() or not dist.is_initialized():
-        if tp == 1:
-            return None
-        raise ValueError(
-            f"tp={tp} needs a process group, and none is initialized: launch with "
-            f"`torchrun --nproc-per-node {tp} ...` and call torch.distributed.init_process_group() "
-            "(gloo on CPU, nccl on GPU) before parallelize"
-        )
-    world = dist.get_world_size()
-    if world != tp:
-        raise ValueError(
-            f"tp={tp} differs from the process group's size {world}: use tp={world}, "
-            "or pass mesh= a 1-D DeviceMesh of tp ranks"
-        )
-    device = _device_of(model)
-    device_type = "cuda" if device.type == "cuda" else "cpu"
-    return init_device_mesh(device_type, (tp,), mesh_dim_names=("tp",))
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device if p.device.type != "meta" else torch.device("cpu")
-    return torch.device("cpu")
+def _factory(model: nn.Module, options: ParallelOptions, tp_mesh: DeviceMesh | None, device: torch.device) -> GraphFactory:
+    """The graph factory of one parallel module: a fake copy of ``model`` to trace, and this
+    rank's dropout generators (one per simulated rank under LocalTensorMode)."""
+    with maybe_disable_local_tensor_mode():
+        template = FakeTemplate(model, device)
+    seed = options.seed if options.seed is not None else torch.initial_seed()
+    rank = None if tp_mesh is None or local_tensor_mode() is not None else tp_mesh.get_local_rank()
+    generators = register_generators(RankGenerators(seed, options.tp, rank))
+    group = tp_mesh.get_group().group_name if tp_mesh is not None else None
+    return GraphFactory(template, options, group, generators, device)
 
 
 def normalize_example_inputs(model: nn.Module, example_inputs: Any, tp: int) -> tuple[tuple, dict]:
@@ -187,5 +142,5 @@ def default_token_ids(model: nn.Module, tp: int) -> torch.Tensor:
             "example_inputs was omitted and the model has no nn.Embedding to build token ids "
             "from: pass example_inputs="
         )
-    device = _device_of(model)
+    device = device_of(model)
     return torch.randint(0, embedding.num_embeddings, (2, 8 * tp), device=device)

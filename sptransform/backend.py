@@ -16,11 +16,11 @@ import logging
 
 import torch
 import torch.fx as fx
-from functorch.compile import make_boxed_func
-from torch._functorch.aot_autograd import aot_module_simplified
 
-from sptransform.measure.partitioned import state_count
-from sptransform.passes.remat import RematOptions, remat_partition
+from sptransform.options import RematOptions
+from sptransform.passes.remat import remat_partition
+from sptransform.torch_internals import dynamo_static_input
+from sptransform.transform import aot_compile, state_count
 
 log = logging.getLogger(__name__)
 
@@ -43,21 +43,8 @@ def sptransform_backend(gm: fx.GraphModule, example_inputs: list, options: dict 
     # partition treats them as state (never activations, never recomputed).
     own = state_count(gm)  # AOTAutograd lifts gm's own parameters/buffers in front of the inputs
     state = list(range(own)) + [own + i for i, x in enumerate(example_inputs) if _is_state(x)]
-
-    def compiler(graph: fx.GraphModule, _inputs):
-        return make_boxed_func(graph.forward)
-
-    return aot_module_simplified(
-        gm,
-        example_inputs,
-        fw_compiler=compiler,
-        bw_compiler=compiler,
-        partition_fn=remat_partition(remat, state_indices=state),
-    )
+    return aot_compile(gm, example_inputs, partition_fn=remat_partition(remat, state_indices=state))
 
 
 def _is_state(x) -> bool:
-    if isinstance(x, torch.nn.Parameter):
-        return True
-    # dynamo's mark on inlined nn.Module buffers (torch/_dynamo/variables/builder.py)
-    return isinstance(x, torch.Tensor) and getattr(x, "_dynamo_static_input_type", None) is not None
+    return isinstance(x, torch.nn.Parameter) or (isinstance(x, torch.Tensor) and dynamo_static_input(x))

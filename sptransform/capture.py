@@ -18,9 +18,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.export.graph_signature import InputKind, OutputKind
-from torch.utils import _pytree as pytree
+
+from sptransform.torch_internals import FakeTensor, FakeTensorMode, pytree
 
 
 @dataclass

@@ -4,7 +4,6 @@ reduce-scatters moving the same bytes, plus one bucketed gradient all-reduce."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 import sptransform

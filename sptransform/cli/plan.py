@@ -12,7 +12,7 @@ import argparse
 import json
 from dataclasses import asdict
 
-from sptransform.planner.activations import RECOMPUTE_POLICIES
+from sptransform.planner.activations import PLANNED_POLICIES
 from sptransform.planner.cluster import GIB, GPU_PRESETS, Cluster, custom_gpu, get_gpu
 from sptransform.planner.deepseek_chapter import (
     CHAPTER_FIGURES, CHAPTER_UNITS, ChapterAssumptions, chapter_figures, chapter_walkthrough,
@@ -50,7 +50,7 @@ def register(subparsers) -> None:
     fixed.add_argument("--tp", type=int, nargs="+")
     fixed.add_argument("--pp", type=int, nargs="+")
     fixed.add_argument("--zero", type=int, nargs="+", choices=(0, 1, 2, 3), default=(0, 1, 2, 3))
-    fixed.add_argument("--recompute", nargs="+", choices=RECOMPUTE_POLICIES, default=RECOMPUTE_POLICIES)
+    fixed.add_argument("--recompute", nargs="+", choices=PLANNED_POLICIES, default=PLANNED_POLICIES)
     fixed.add_argument("--micro-batch", type=int, nargs="+", default=(1, 2, 4, 8))
     fixed.add_argument("--sp", choices=("on", "off", "both"), default="both", help="sequence parallelism")
     fixed.add_argument("--interleave", type=int, nargs="+", default=(1,), help="model chunks per pipeline rank (m)")

@@ -30,6 +30,7 @@ import torch
 import torch.fx as fx
 
 from sptransform.capture import CapturedGraph
+from sptransform.torch_internals import pytree
 from sptransform.graph.sharding import (
     DimShard,
     ShardingError,
@@ -432,3 +433,32 @@ def _assign_layers(graph: fx.Graph, regions: list[Region]) -> None:
         if r.kind == "attention" or layer < 0:
             layer += 1
         r.layer = layer
+
+
+def find_loss_output(captured: CapturedGraph, analysis: ModelAnalysis) -> fx.Node:
+    """The graph output that is the loss: the cross-entropy the analysis found, or a scalar computed from it."""
+    outputs = pytree.tree_leaves(captured.gm.graph.find_nodes(op="output")[0].args[0])
+    if analysis.loss is not None:
+        for out in outputs:
+            if not isinstance(out, fx.Node):
+                continue
+            value = out.meta.get("val")
+            if out is analysis.loss or (isinstance(value, torch.Tensor) and value.dim() == 0 and _reaches(analysis.loss, out)):
+                return out
+    raise ValueError(
+        "pipeline parallelism trains on a loss the model computes, and this forward returns none "
+        "(no cross-entropy of the head's logits among its outputs): pass the labels in example_inputs "
+        "(e.g. labels= for HF models, targets for nanoGPT)"
+    )
+
+
+def _reaches(source: fx.Node, target: fx.Node) -> bool:
+    stack, seen = [target], set()
+    while stack:
+        n = stack.pop()
+        if n is source:
+            return True
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return False

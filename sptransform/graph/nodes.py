@@ -12,6 +12,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from sptransform.torch_internals import run_and_save_rng_state, run_with_rng_state
+
 aten = torch.ops.aten
 
 MATMUL_OPS = frozenset({aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.matmul, aten.linear, aten._scaled_mm})
@@ -78,7 +80,7 @@ def tensor_nbytes(node: fx.Node) -> int:
     return 0 if value is None else value.numel() * value.element_size()
 
 
-_RNG_WRAPPERS = {torch._prims.rng_prims.run_and_save_rng_state: 0, torch._prims.rng_prims.run_with_rng_state: 1}
+_RNG_WRAPPERS = {run_and_save_rng_state: 0, run_with_rng_state: 1}
 """Higher-order ops that run a random op with a saved generator state -> position of that op in args."""
 
 

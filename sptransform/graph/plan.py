@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
+from sptransform.capture import CapturedGraph
+from sptransform.graph.analysis import ModelAnalysis
 from sptransform.graph.sharding import DimShard
 
 
@@ -62,3 +64,19 @@ class ParallelPlan:
                 f"different splits ({old.spec} vs {placement.spec}); sptransform cannot shard it"
             )
         self.placements[name] = placement
+
+
+@dataclass
+class ParallelGraph:
+    """One input signature's transformed graph: the capture (whose ``gm`` the passes edited
+    in place), what the analysis found, and the plan the passes filled (both ``None`` at tp=1)."""
+
+    captured: CapturedGraph
+    analysis: ModelAnalysis | None
+    plan: ParallelPlan | None
+    compiled: object = None
+    """The AOTAutograd-compiled runner when ``recompute`` is not ``"none"`` (made on first call)."""
+
+    @property
+    def gm(self) -> fx.GraphModule:
+        return self.captured.gm

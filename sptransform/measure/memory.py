@@ -29,6 +29,7 @@ import torch.fx as fx
 from sptransform.planner.presets import ModelShape
 
 from sptransform.graph.regions import REGIONS, classify_regions
+from sptransform.torch_internals import run_and_save_rng_state
 from sptransform.graph.nodes import is_multi_output, is_view, storage_nbytes, storage_root, tensor_val
 
 RNG_STATE_REGION = "dropout_masks"
@@ -149,7 +150,7 @@ def _is_rng_state(node: fx.Node) -> bool:
     if node.op == "call_function" and node.target.__name__ == "generator_state":
         return True
     parent = node.args[0] if node.target is operator.getitem else None
-    return isinstance(parent, fx.Node) and parent.target is torch._prims.rng_prims.run_and_save_rng_state
+    return isinstance(parent, fx.Node) and parent.target is run_and_save_rng_state
 
 
 def _layer_of_rng(node: fx.Node, regions) -> int | None:

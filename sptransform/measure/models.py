@@ -19,9 +19,9 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from sptransform.planner.presets import ModelShape
+from sptransform.torch_internals import FakeTensorMode
 
 
 class _Attention(nn.Module):

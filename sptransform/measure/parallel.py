@@ -2,7 +2,7 @@
 
 ``rank_graph(model, args, tp=8, sp=True)`` joins a fake process group of ``tp``
 ranks (this process is rank 0; nothing is sent), runs sptransform's parallel
-pipeline (``module.build_parallel_graph``: capture, analyse, tensor-parallel,
+pipeline (``transform.build_parallel_graph``: capture, analyse, tensor-parallel,
 sequence-parallel, dropout) on a fake copy of ``model``, and returns rank 0's
 forward graph with fake inputs of the local shapes: parameters are shards,
 collectives are ``_c10d_functional`` ops. ``partition_module`` then partitions and
@@ -17,7 +17,14 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
-from torch._guards import detect_fake_mode
+
+from torch.distributed.device_mesh import init_device_mesh
+
+from sptransform.capture import FakeTemplate
+from sptransform.options import ParallelOptions
+from sptransform.runtime.ops import RankGenerators, register_generators
+from sptransform.torch_internals import FakeStore, detect_fake_mode
+from sptransform.transform import build_parallel_graph
 
 
 @dataclass
@@ -32,9 +39,6 @@ class RankGraph:
 
 def join_fake_group(world: int) -> str:
     """Initialize (or reuse) a fake process group of ``world`` ranks; returns the TP mesh's group name."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     if dist.is_initialized():
         if dist.get_world_size() != world:
             if dist.get_backend() != "fake":
@@ -51,11 +55,6 @@ def join_fake_group(world: int) -> str:
 
 def rank_graph(model: nn.Module, args: tuple, *, tp: int, sp: bool) -> RankGraph:
     """Rank 0's forward graph of ``parallelize(model, tp=tp, sp=sp)`` on inputs shaped like ``args``."""
-    from sptransform.api import ParallelOptions
-    from sptransform.capture import FakeTemplate
-    from sptransform.runtime.module import build_parallel_graph
-    from sptransform.runtime.ops import RankGenerators, register_generators
-
     group = join_fake_group(tp)
     template = FakeTemplate(model, torch.device("cpu"))
     generators = register_generators(RankGenerators(0, tp, 0))

@@ -16,8 +16,6 @@ from typing import Callable, Sequence
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch._functorch.aot_autograd import aot_module_simplified
-from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
 from sptransform.passes.remat import (
     CutSolution,
@@ -31,6 +29,8 @@ from sptransform.passes.remat import (
 )
 
 from sptransform.measure.flops import FlopsReport, flops_report
+from sptransform.torch_internals import default_partition, functorch_config, min_cut_rematerialization_partition
+from sptransform.transform import aot_compile, state_count
 from sptransform.measure.memory import MemoryReport, memory_report
 
 
@@ -84,13 +84,6 @@ class _TupleOutput(nn.Module):
         return out if isinstance(out, tuple) else (out,)
 
 
-def state_count(module: nn.Module) -> int:
-    """How many joint inputs AOTAutograd lifts from ``module`` (its parameters and buffers)."""
-    return len(
-        {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers(remove_duplicate=False))}
-    )
-
-
 TORCH_PARTITIONERS = {
     "torch-default": default_partition,
     "torch-mincut": min_cut_rematerialization_partition,
@@ -137,9 +130,7 @@ def partition_module(
         captured.update(forward=fw, backward=bw)
         return fw, bw
 
-    compiled = aot_module_simplified(
-        wrapped, list(example_inputs), fw_compiler=_keep_graph, bw_compiler=_keep_graph, partition_fn=partition,
-    )
+    compiled = aot_compile(wrapped, example_inputs, partition_fn=partition)
     if "backward" not in captured:
         raise ValueError("nothing requires grad: the module has no backward to partition")
     return Partitioned(
@@ -163,13 +154,7 @@ def _torch_partition(name: str, budget: float | None) -> Callable:
         tag_forward(joint, num_fwd_outputs=num_fwd_outputs)
         if budget is None:
             return partitioner(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
-        with torch._functorch.config.patch(activation_memory_budget=budget):
+        with functorch_config.patch(activation_memory_budget=budget):
             return partitioner(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
 
     return partition
-
-
-def _keep_graph(gm: fx.GraphModule, example_inputs):
-    from functorch.compile import make_boxed_func
-
-    return make_boxed_func(gm.forward)

@@ -53,18 +53,20 @@ import logging
 import math
 import operator
 from dataclasses import dataclass, field, replace
-from typing import Callable, Literal, Sequence
+from typing import Callable, Sequence
 
 import networkx as nx
 import torch
 import torch.fx as fx
 from networkx.algorithms.flow import boykov_kolmogorov
-from torch._functorch import partitioners as torch_partitioners
-from torch._guards import detect_fake_mode
 from torch.utils.checkpoint import CheckpointPolicy
 
-from sptransform.measure.flops import FORWARD_TAG, Cost, node_cost
+from sptransform.options import REMAT_POLICIES as POLICIES  # noqa: F401  (re-exported)
+from sptransform.options import RematOptions, RematPolicy  # noqa: F401  (re-exported)
+from sptransform.graph.cost import FORWARD_TAG, Cost, node_cost
 from sptransform.graph.regions import GraphRegions, classify_regions
+from sptransform.torch_internals import detect_fake_mode, run_with_rng_state
+from sptransform.torch_internals import partitioners as torch_partitioners
 from sptransform.graph.nodes import (
     is_collective,
     is_multi_output,
@@ -90,53 +92,8 @@ from sptransform.passes.remat_rng import (  # noqa: F401  (re-exported: graphs a
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
-RematPolicy = Literal["none", "selective", "full", "norm_upproj", "budget", "blocks"]
-POLICIES: tuple[RematPolicy, ...] = ("none", "selective", "full", "norm_upproj", "budget", "blocks")
-BlockKind = Literal["attention", "mlp"]
 _MAX_HULL_SOLVES = 400
 _MAX_FILL_STEPS = 64
-
-
-@dataclass(frozen=True, kw_only=True)
-class RematOptions:
-    """How the joint graph is partitioned."""
-
-    policy: RematPolicy = "none"
-    """What to recompute; see the module docstring."""
-    budget: int | float | None = None
-    """For ``policy="budget"``: bytes saved for backward per rank (an int), or a fraction
-    of what ``"none"`` saves (a float in (0, 1])."""
-    replay_rng: bool = True
-    """Recompute random ops by replaying their RNG state exactly; else save their outputs."""
-    recompute_collectives: bool = False
-    """Allow recomputing collectives (priced by the bytes they move)."""
-    regather_sequence_shards: bool = True
-    """Sequence parallelism: never save an all-gather's output that feeds a weight matmul;
-    save its local shard and gather again in backward (the paper's section 4.2.2). A no-op
-    on graphs without such all-gathers."""
-    flops_per_comm_byte: float = 1000.0
-    """Recompute cost of moving one byte, in FLOPs (about an A100's FLOP/s over its NVLink B/s)."""
-    blocks: tuple[BlockKind, ...] = ()
-    """For ``policy="blocks"``: checkpoint these sublayer kinds like ``torch.utils.checkpoint``
-    of a block (save its input, recompute its body): ``("attention",)``, ``("mlp",)`` or both."""
-
-    def __post_init__(self):
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown recompute policy {self.policy!r}; use one of {list(POLICIES)}")
-        if (self.policy == "blocks") != bool(self.blocks) or set(self.blocks) - {"attention", "mlp"}:
-            raise ValueError(
-                f"blocks={self.blocks!r} with policy={self.policy!r}: policy='blocks' takes blocks from "
-                "('attention', 'mlp'), and only it does"
-            )
-        if self.policy == "budget":
-            if self.budget is None:
-                raise ValueError('policy="budget" needs budget=<bytes per rank> or a fraction of "none" in (0, 1]')
-            if isinstance(self.budget, float) and not 0 < self.budget <= 1:
-                raise ValueError(f"budget={self.budget} as a fraction of 'none' must be in (0, 1]; pass bytes as an int")
-            if isinstance(self.budget, int) and self.budget < 0:
-                raise ValueError(f"budget={self.budget} bytes is negative")
-        elif self.budget is not None:
-            raise ValueError(f'budget={self.budget!r} only applies to policy="budget", not {self.policy!r}')
 
 
 # ---------------------------------------------------------------------------
@@ -663,7 +620,7 @@ def apply_plan(analysis: JointAnalysis, plan: RematPlan) -> tuple[fx.GraphModule
         with mode if mode is not None and detect_fake_mode() is None else contextlib.nullcontext():
             fw, bw = torch_partitioners.functionalize_rng_ops(joint, fw, bw, len(saved_sym))
         for n in bw.graph.nodes:
-            if n.target is torch._prims.rng_prims.run_with_rng_state:
+            if n.target is run_with_rng_state:
                 n.meta[FORWARD_TAG] = True
     own = [n for n in plan.solution.replayed if _own_generator(n)]
     if own:

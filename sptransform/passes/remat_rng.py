@@ -13,9 +13,9 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
 
 from sptransform.graph.nodes import is_collective, val
+from sptransform.torch_internals import detect_fake_mode
 
 aten = torch.ops.aten
 

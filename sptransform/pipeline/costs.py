@@ -20,11 +20,9 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
 
-from torch.multiprocessing.reductions import StorageWeakRef
-
-from sptransform.measure.flops import node_cost
+from sptransform.graph.cost import node_cost
+from sptransform.torch_internals import StorageWeakRef, detect_fake_mode
 from sptransform.passes.pipeline_split import GraphFlow, LayerBoundary
 
 BACKWARD_FACTOR = 3

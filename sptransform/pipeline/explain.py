@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from sptransform.api import ParallelOptions
+from sptransform.options import ParallelOptions
+from sptransform.pipeline.schedule import fully_stored, schedule_spec
 
 
 def explain_pipeline(plan, options: ParallelOptions, pp_rank: int) -> str:
     pipeline = plan.options
-    spec = pipeline.spec
+    spec = schedule_spec(pipeline.schedule)
     lines = [
         f"sptransform pipeline: pp={pipeline.pp} x tp={options.tp} (sp={options.sp}), schedule={spec.name} "
         f"({spec.torch_class.__name__}), {pipeline.num_stages} stages ({pipeline.virtual} per rank, "
@@ -62,7 +63,7 @@ def explain_pipeline(plan, options: ParallelOptions, pp_rank: int) -> str:
         lines.append(f"recompute: each stage's graph is partitioned with recompute={options.recompute!r} "
                      "(compiled on its first forward)")
     if pipeline.stored_microbatches is not None:
-        stored = pipeline.fully_stored()
+        stored = fully_stored(pipeline)
         lines.append(f"microbatch-level recompute (window of {pipeline.stored_microbatches}): microbatches that keep "
                      "every activation, per stage; the others run the recompute policy:")
         lines.extend(f"  stage {i}: {sorted(s) if s else 'none'}" for i, s in enumerate(stored))

@@ -4,11 +4,12 @@
 returns a ``PipelinedModule`` on a 2-D mesh ``pp x tp``. Its journey:
 
     capture -> analyse -> tensor-parallel -> sequence-parallel -> dropout -> grad buckets
-            (``module.build_parallel_graph``, on one microbatch)
-    -> find layer boundaries -> measure layer costs -> balance -> split      (``pipeline_plan``)
+            (``transform.build_parallel_graph``, on one microbatch)
+    -> find layer boundaries -> measure layer costs -> balance -> split      (``transform.plan_pipeline``)
     -> one ``PipelineStage`` per stage of this rank, one torch schedule      (``PipelinedModule``)
 
-Each stage is a ``StageModule`` (``pipeline_stage``): its graph runs on the local shards of the
+The graph and the split come from the ``GraphFactory`` that ``parallelize`` hands in.
+Each stage is a ``StageModule`` (``pipeline.stage``): its graph runs on the local shards of the
 parameters it reads, which stay DTensors on the ``tp`` sub-mesh under their
 original names; a rank holds only its stages' parameters. Every stage receives
 the user's (microbatch) inputs as keyword inputs ``input_<i>`` and the previous
@@ -30,17 +31,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
-from torch.utils import _pytree as pytree
 
-from sptransform.graph.analysis import analyze
-from sptransform.api import ParallelOptions
-from sptransform.capture import CapturedGraph, FakeTemplate, input_signature
-from sptransform.runtime.module import (
-    ParallelModule, _call_defaults, _local_shape, _set_by_path, build_parallel_graph, placement_of,
-)
-from sptransform.runtime.ops import RankGenerators, register_generators
-from sptransform.pipeline.plan import PipelineOptions, PipelinePlan, find_loss_output, first_microbatch, plan_pipeline
+from sptransform.capture import CapturedGraph, input_signature
+from sptransform.options import ParallelOptions, PipelineOptions
+from sptransform.pipeline.plan import PipelinePlan, first_microbatch
+from sptransform.runtime.params import call_defaults, device_of, placement_of, set_by_path, shard_parameter
+from sptransform.pipeline.schedule import fully_stored, schedule_spec
 from sptransform.pipeline.stage import StageModule, _FreeingStage, _Stage
+from sptransform.torch_internals import functorch_config, pytree
 
 
 class _MicrobatchMean:
@@ -55,33 +53,32 @@ class _MicrobatchMean:
 
 
 class PipelinedModule(nn.Module):
-    def __init__(self, model: nn.Module, *, options: ParallelOptions, pipeline: PipelineOptions,
+    def __init__(self, model: nn.Module, *, factory, options: ParallelOptions, pipeline: PipelineOptions,
                  mesh: DeviceMesh, example_args: tuple, example_kwargs: dict):
+        """``factory``: a ``transform.GraphFactory`` for the ``tp`` sub-mesh (builds the graph of
+        one microbatch, splits it, compiles stages under ``recompute``)."""
         super().__init__()
         self._options, self._pipeline, self._mesh = options, pipeline, mesh
         tp_mesh, pp_mesh = mesh["tp"], mesh["pp"]
         self._tp_mesh, self._pp_group = tp_mesh, pp_mesh.get_group()
         self._pp_rank, tp_rank = pp_mesh.get_local_rank(), tp_mesh.get_local_rank()
-        self._device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
-        self._call_defaults = _call_defaults(model)
+        self._device = device_of(model)
+        self._call_defaults = call_defaults(model)
         kwargs = {**self._call_defaults, **example_kwargs}
         self._signature = input_signature(example_args, kwargs)
         mb_args, mb_kwargs, self._batch = first_microbatch(example_args, kwargs, pipeline.n_microbatches)
-        template = FakeTemplate(model, self._device)
-        seed = options.seed if options.seed is not None else torch.initial_seed()
-        generators = register_generators(RankGenerators(seed, options.tp, tp_rank))
-        graph = build_parallel_graph(template, mb_args, mb_kwargs, options, tp_mesh.get_group().group_name, generators)
-        graph.gm.to(self._device)  # index tables the passes added live with the parameters
+        graph = factory.build(mb_args, mb_kwargs)
         self._graph = graph
-        self.pipeline_plan: PipelinePlan = plan_pipeline(graph, template, mb_args, mb_kwargs, pipeline)
+        self.pipeline_plan: PipelinePlan = factory.plan_pipeline(graph, mb_args, mb_kwargs, pipeline)
         self._placements = graph.plan.placements if graph.plan is not None else {}
         self._rank = torch.tensor(tp_rank, device=self._device)
         local = self.pipeline_plan.stages_of(self._pp_rank)
         state = self._register_state(model, {n for s in local for n in s.state_names}, graph.captured)
         fixed = {i: x for i, x in enumerate(pytree.tree_leaves((tuple(mb_args), dict(mb_kwargs))))
                  if not isinstance(x, torch.Tensor)}
-        stored = pipeline.fully_stored()
-        self._stage_modules = [StageModule(s, state, fixed, self._rank, options.recompute, stored[s.index])
+        stored = fully_stored(pipeline)
+        compile_stage = factory.compile if options.remat is not None else None
+        self._stage_modules = [StageModule(s, state, fixed, self._rank, compile_stage, stored[s.index])
                                for s in local]
         self._tied_groups = self._tied_gradient_groups()
         self._schedule = self._build_schedule()
@@ -103,26 +100,17 @@ class PipelinedModule(nn.Module):
             elif name in params:
                 param = self._shard_parameter(name, params[name])
                 for alias in aliases[id(params[name])]:
-                    _set_by_path(self, alias, param, kind="parameter")
+                    set_by_path(self, alias, param, kind="parameter")
                     state[alias] = param
             else:
-                _set_by_path(self, name, buffers[name], kind="buffer")
+                set_by_path(self, name, buffers[name], kind="buffer")
                 state[name] = buffers[name]
         return state
 
     def _shard_parameter(self, name: str, param: nn.Parameter) -> nn.Parameter:
         placement = self._placements.get(name)
         placement = placement_of(placement.spec) if placement is not None else Replicate()
-        if param.device.type == "meta":
-            shape = _local_shape(param.shape, placement, self._options.tp, self._tp_mesh.get_local_rank())
-            local = torch.empty(shape, dtype=param.dtype, device=self._device)
-            dtensor = DTensor.from_local(local, self._tp_mesh, [placement], run_check=False,
-                                         shape=param.shape, stride=param.stride())
-        else:
-            from torch.distributed.tensor import distribute_tensor
-
-            dtensor = distribute_tensor(param.detach().clone(), self._tp_mesh, [placement], src_data_rank=0)
-        return nn.Parameter(dtensor, requires_grad=param.requires_grad)
+        return shard_parameter(param, placement, self._tp_mesh, self._device)
 
     def _tied_gradient_groups(self) -> list[tuple[str, dist.ProcessGroup]]:
         """For each tied parameter held on several pipeline ranks, the group that sums its
@@ -149,7 +137,7 @@ class PipelinedModule(nn.Module):
         return mine
 
     def _build_schedule(self):
-        plan, spec = self.pipeline_plan, self._pipeline.spec
+        spec = schedule_spec(self._pipeline.schedule)
         stage_class = _FreeingStage if spec.waits_each_send else _Stage
         stages = [
             stage_class(module, module.index, self._pipeline.num_stages, self._device, group=self._pp_group)
@@ -178,7 +166,7 @@ class PipelinedModule(nn.Module):
         losses: list[torch.Tensor] = []
         # Zero-bubble schedules split a stage's backward with retain_graph, which AOTAutograd's
         # donated buffers forbid (recompute=); the graphs run eagerly, so donation saves nothing.
-        with torch._functorch.config.patch(donated_buffer=False):
+        with functorch_config.patch(donated_buffer=False):
             self._schedule.step(target=self._target, losses=losses, return_outputs=False, **named)
         self._sum_tied_gradients()
         return self._broadcast_loss(losses)
@@ -219,60 +207,4 @@ class PipelinedModule(nn.Module):
         return explain_pipeline(self.pipeline_plan, self._options, self._pp_rank)
 
 
-class SteppedModule(ParallelModule):
-    """``ParallelModule`` with ``step()``: pp=1, one forward and backward of the whole batch."""
-
-    def step(self, *args, **kwargs) -> torch.Tensor:
-        out = self(*args, **kwargs)
-        graph = self._last
-        analysis = graph.analysis or analyze(graph.captured, 1)
-        loss_node = find_loss_output(graph.captured, analysis)
-        outputs = list(graph.captured.gm.graph.find_nodes(op="output")[0].args[0])
-        loss = pytree.tree_leaves(out)[outputs.index(loss_node)]
-        loss.backward()
-        return loss.detach()
-
-
-def resolve_pipeline_mesh(options: ParallelOptions, pipeline: PipelineOptions, mesh: DeviceMesh | None,
-                          device: torch.device) -> DeviceMesh:
-    """The ``pp x tp`` mesh: the one given, or one over the initialized process group."""
-    pp, tp = pipeline.pp, options.tp
-    if mesh is not None:
-        if mesh.ndim != 2 or tuple(mesh.shape) != (pp, tp) or tuple(mesh.mesh_dim_names or ()) != ("pp", "tp"):
-            raise ValueError(
-                f"mesh has shape {tuple(mesh.shape)} (axes {mesh.mesh_dim_names}) but pp={pp}, tp={tp}: pass a 2-D "
-                f"DeviceMesh of shape ({pp}, {tp}) with mesh_dim_names=('pp', 'tp')"
-            )
-        return mesh
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError(
-            f"pp={pp} x tp={tp} needs a process group of {pp * tp} ranks, and none is initialized: launch with "
-            f"`torchrun --nproc-per-node {pp * tp} ...` and call torch.distributed.init_process_group() first"
-        )
-    world = dist.get_world_size()
-    if world != pp * tp:
-        raise ValueError(
-            f"pp={pp} x tp={tp} = {pp * tp} ranks, but the process group has {world}: "
-            f"choose pp and tp with pp * tp == {world}, or pass mesh= a ({pp}, {tp}) DeviceMesh"
-        )
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh("cuda" if device.type == "cuda" else "cpu", (pp, tp), mesh_dim_names=("pp", "tp"))
-
-
-def pipeline_parallelize(model: nn.Module, *, options: ParallelOptions, pipeline: PipelineOptions,
-                         mesh: DeviceMesh | None, example_args: tuple, example_kwargs: dict) -> nn.Module:
-    """``parallelize``'s pipeline branch: a ``PipelinedModule``, or for pp=1 a ``SteppedModule``."""
-    device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
-    if pipeline.pp == 1:
-        from sptransform.api import _resolve_mesh
-
-        tp_mesh = _resolve_mesh(options, mesh, model)
-        return SteppedModule(model, options=options, mesh=tp_mesh, example_args=example_args,
-                             example_kwargs=example_kwargs)
-    mesh = resolve_pipeline_mesh(options, pipeline, mesh, device)
-    return PipelinedModule(model, options=options, pipeline=pipeline, mesh=mesh,
-                           example_args=example_args, example_kwargs=example_kwargs)
-
-
-__all__ = ["PipelineOptions", "PipelinePlan", "PipelinedModule", "SteppedModule", "StageModule"]
+__all__ = ["PipelineOptions", "PipelinePlan", "PipelinedModule", "StageModule"]

@@ -1,4 +1,4 @@
-"""Pipeline plan: options, and the graph-only planning of a pipeline (no process group).
+"""Pipeline plan: the graph-only planning of a pipeline (no process group).
 
 ``plan_pipeline`` takes the (tensor/sequence-parallel) graph of one microbatch and
 returns where the stages begin, what each stage's graph is, where each stage runs,
@@ -15,87 +15,17 @@ up to pp microbatches, is charged for them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
-import torch.fx as fx
-from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
-from torch.utils import _pytree as pytree
 
-from sptransform.graph.analysis import ModelAnalysis, analyze
-from sptransform.capture import CapturedGraph, FakeTemplate, capture
-from sptransform.runtime.module import ParallelGraph
+from sptransform.graph.analysis import analyze, find_loss_output
+from sptransform.capture import FakeTemplate, capture
+from sptransform.graph.plan import ParallelGraph
 from sptransform.passes.pipeline_split import GraphFlow, LayerBoundary, StageGraph, balance_layers, find_layer_boundaries, split_graph
 from sptransform.pipeline.costs import LayerCost, measure_layer_costs
-from sptransform.pipeline.schedule import (
-    ScheduleSpec, check_stages_per_rank, fully_stored_microbatches, inflight, pipeline_order, schedule_spec,
-    stage_ranks,
-)
-
-ScheduleName = Literal["gpipe", "1f1b", "interleaved1f1b", "looped_bfs", "zbv"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class PipelineOptions:
-    pp: int
-    """Pipeline-parallel degree: ranks that each hold a slice of the layers."""
-    schedule: ScheduleName = "1f1b"
-    """Torch schedule that runs the stages (see ``pipeline_schedule.SCHEDULES``)."""
-    n_microbatches: int = 1
-    """Microbatches each global batch is split into (along dim 0 of every tensor input)."""
-    stages_per_rank: int | None = None
-    """Virtual stages per rank; default 1, or 2 for multi-stage schedules."""
-    stored_microbatches: int | None = None
-    """Microbatch-level recomputation (Korthikanti et al., Appendix C): each stage keeps every
-    activation of up to this many in-flight microbatches, a moving window, and runs the
-    recompute policy on the others. ``None``: every microbatch runs the policy."""
-
-    def __post_init__(self) -> None:
-        for name in ("pp", "n_microbatches"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-            if value < 1:
-                raise ValueError(f"{name}={value} must be at least 1")
-        if self.stored_microbatches is not None:
-            if isinstance(self.stored_microbatches, bool) or not isinstance(self.stored_microbatches, int):
-                raise TypeError(f"stored_microbatches must be an int, got {self.stored_microbatches!r}")
-            if self.stored_microbatches < 0:
-                raise ValueError(f"stored_microbatches={self.stored_microbatches} must be at least 0")
-        spec = schedule_spec(self.schedule)
-        if self.stages_per_rank is not None:
-            if isinstance(self.stages_per_rank, bool) or not isinstance(self.stages_per_rank, int):
-                raise TypeError(f"stages_per_rank must be an int, got {self.stages_per_rank!r}")
-            check_stages_per_rank(spec, self.stages_per_rank)
-        if spec.name == "interleaved1f1b":
-            rounds = max(1, self.n_microbatches // self.pp)
-            if self.n_microbatches % rounds:
-                raise ValueError(
-                    f"schedule='interleaved1f1b' with pp={self.pp} runs n_microbatches in rounds of pp; "
-                    f"n_microbatches={self.n_microbatches} is not a multiple of its {rounds} rounds: "
-                    f"use a multiple of pp={self.pp} (or fewer than {self.pp})"
-                )
-
-    def fully_stored(self) -> list[set[int] | None]:
-        """Per stage, the microbatches that keep every activation under ``stored_microbatches``
-        (``None`` for every stage when it is not set)."""
-        if self.stored_microbatches is None:
-            return [None] * self.num_stages
-        order = pipeline_order(self.spec, self.pp, self.virtual, self.n_microbatches)
-        return fully_stored_microbatches(order, self.num_stages, self.stored_microbatches)
-
-    @property
-    def spec(self) -> ScheduleSpec:
-        return schedule_spec(self.schedule)
-
-    @property
-    def virtual(self) -> int:
-        return self.stages_per_rank or self.spec.default_stages_per_rank
-
-    @property
-    def num_stages(self) -> int:
-        return self.pp * self.virtual
-
+from sptransform.options import PipelineOptions
+from sptransform.torch_internals import maybe_disable_local_tensor_mode, pytree
+from sptransform.pipeline.schedule import inflight, pipeline_order, schedule_spec, stage_ranks
 
 @dataclass
 class TiedParameter:
@@ -127,35 +57,6 @@ class PipelinePlan:
         return [s for s in self.stages if self.stage_rank[s.index] == rank]
 
 
-def find_loss_output(captured: CapturedGraph, analysis: ModelAnalysis) -> fx.Node:
-    """The graph output that is the loss: the cross-entropy the analysis found, or a scalar computed from it."""
-    outputs = pytree.tree_leaves(captured.gm.graph.find_nodes(op="output")[0].args[0])
-    if analysis.loss is not None:
-        for out in outputs:
-            if not isinstance(out, fx.Node):
-                continue
-            value = out.meta.get("val")
-            if out is analysis.loss or (isinstance(value, torch.Tensor) and value.dim() == 0 and _reaches(analysis.loss, out)):
-                return out
-    raise ValueError(
-        "pipeline parallelism trains on a loss the model computes, and this forward returns none "
-        "(no cross-entropy of the head's logits among its outputs): pass the labels in example_inputs "
-        "(e.g. labels= for HF models, targets for nanoGPT)"
-    )
-
-
-def _reaches(source: fx.Node, target: fx.Node) -> bool:
-    stack, seen = [target], set()
-    while stack:
-        n = stack.pop()
-        if n is source:
-            return True
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return False
-
-
 def plan_pipeline(graph: ParallelGraph, template: FakeTemplate, args: tuple, kwargs: dict,
                   options: PipelineOptions) -> PipelinePlan:
     """Boundaries, costs, balance and split of ``graph`` (captured on one microbatch)."""
@@ -169,7 +70,7 @@ def plan_pipeline(graph: ParallelGraph, template: FakeTemplate, args: tuple, kwa
             f"{num_stages} transformer layers; the model has {num_layers}: use pp x stages_per_rank <= {num_layers}"
         )
     boundaries = find_layer_boundaries(flow, analysis)
-    spec = options.spec
+    spec = schedule_spec(options.schedule)
     ranks = stage_ranks(spec, options.pp, options.virtual)
     held = inflight(pipeline_order(spec, options.pp, options.virtual, options.n_microbatches), num_stages)
     costs = _layer_costs(graph, flow, boundaries, num_layers, template, args, kwargs)

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
 from torch.distributed.pipelining import schedules as torch_schedules
-from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+from sptransform.options import DEFAULT_STAGES_PER_RANK, PipelineOptions
+from sptransform.torch_internals import generate_stage_to_rank_mapping, get_schedule_ops
 
 
 @dataclass(frozen=True)
@@ -46,11 +48,14 @@ class ScheduleSpec:
 SCHEDULES: dict[str, ScheduleSpec] = {
     spec.name: spec
     for spec in (
-        ScheduleSpec("gpipe", torch_schedules.ScheduleGPipe, False, "loop", (1,), 1, False),
-        ScheduleSpec("1f1b", torch_schedules.Schedule1F1B, False, "loop", (1,), 1, False, waits_each_send=True),
-        ScheduleSpec("interleaved1f1b", torch_schedules.ScheduleInterleaved1F1B, True, "loop", None, 2, False),
-        ScheduleSpec("looped_bfs", torch_schedules.ScheduleLoopedBFS, True, "loop", None, 2, False),
-        ScheduleSpec("zbv", torch_schedules.ScheduleZBVZeroBubble, True, "v", (2,), 2, True),
+        ScheduleSpec("gpipe", torch_schedules.ScheduleGPipe, False, "loop", (1,), DEFAULT_STAGES_PER_RANK["gpipe"], False),
+        ScheduleSpec("1f1b", torch_schedules.Schedule1F1B, False, "loop", (1,), DEFAULT_STAGES_PER_RANK["1f1b"], False,
+                     waits_each_send=True),
+        ScheduleSpec("interleaved1f1b", torch_schedules.ScheduleInterleaved1F1B, True, "loop", None,
+                     DEFAULT_STAGES_PER_RANK["interleaved1f1b"], False),
+        ScheduleSpec("looped_bfs", torch_schedules.ScheduleLoopedBFS, True, "loop", None,
+                     DEFAULT_STAGES_PER_RANK["looped_bfs"], False),
+        ScheduleSpec("zbv", torch_schedules.ScheduleZBVZeroBubble, True, "v", (2,), DEFAULT_STAGES_PER_RANK["zbv"], True),
     )
 }
 
@@ -92,8 +97,6 @@ def pipeline_order(spec: ScheduleSpec, pp: int, stages_per_rank: int, n_microbat
     if not spec.multi:
         single = _gpipe_order if spec.name == "gpipe" else _one_f_one_b_order
         return [single(rank, pp, n_microbatches) for rank in range(pp)]
-    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
-
     ops = get_schedule_ops(spec.torch_class, pp, n_microbatches, stages_per_rank)
     return [
         [Action(a.stage_index, a.computation_type.value, a.microbatch_index)
@@ -245,3 +248,27 @@ def memory_timeline(boxes: Sequence[Box], pp: int,
                 steps.append((t, level))
         out.append(steps)
     return out
+
+
+def check_pipeline_options(options: PipelineOptions) -> None:
+    """The schedule's own rules on ``options`` (stages per rank, microbatch rounds)."""
+    spec = schedule_spec(options.schedule)
+    if options.stages_per_rank is not None:
+        check_stages_per_rank(spec, options.stages_per_rank)
+    if spec.name == "interleaved1f1b":
+        rounds = max(1, options.n_microbatches // options.pp)
+        if options.n_microbatches % rounds:
+            raise ValueError(
+                f"schedule='interleaved1f1b' with pp={options.pp} runs n_microbatches in rounds of pp; "
+                f"n_microbatches={options.n_microbatches} is not a multiple of its {rounds} rounds: "
+                f"use a multiple of pp={options.pp} (or fewer than {options.pp})"
+            )
+
+
+def fully_stored(options: PipelineOptions) -> list[set[int] | None]:
+    """Per stage, the microbatches that keep every activation under ``stored_microbatches``
+    (``None`` for every stage when it is not set)."""
+    if options.stored_microbatches is None:
+        return [None] * options.num_stages
+    order = pipeline_order(schedule_spec(options.schedule), options.pp, options.virtual, options.n_microbatches)
+    return fully_stored_microbatches(order, options.num_stages, options.stored_microbatches)

@@ -8,17 +8,17 @@ partitioned by the rematerialisation pass (``recompute=``, per microbatch with
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from sptransform.runtime.module import _set_by_path
+from sptransform.runtime.params import set_by_path
 from sptransform.passes.pipeline_split import StageGraph
+from sptransform.torch_internals import StorageWeakRef, stage_forward_cache
 
 
 class StageModule(nn.Module):
@@ -33,12 +33,14 @@ class StageModule(nn.Module):
     ``_Stage`` tells the module which microbatch it is running."""
 
     def __init__(self, stage: StageGraph, state: dict[str, torch.Tensor], fixed_inputs: dict[int, Any],
-                 rank: torch.Tensor | None, recompute: str | float | int = "none",
+                 rank: torch.Tensor | None, compile_stage: Callable | None = None,
                  fully_stored: set[int] | None = None):
+        """``compile_stage(gm, inputs, state_positions)``: the rematerialisation driver
+        (``transform.GraphFactory.compile``), or None to run the graph as captured."""
         super().__init__()
         self.index = stage.index
         self.graph = stage.gm
-        self.recompute = recompute
+        self._compile_stage = compile_stage
         self.fully_stored = fully_stored
         self.microbatch: int | None = None
         """The microbatch the schedule is running (None while torch infers shapes)."""
@@ -48,7 +50,7 @@ class StageModule(nn.Module):
         self._state = [state[name] for name in stage.state_names]
         for name, value in zip(stage.state_names, self._state):
             if isinstance(value, nn.Parameter):
-                _set_by_path(self.params, name, value, kind="parameter")
+                set_by_path(self.params, name, value, kind="parameter")
         self._user = [(i, fixed_inputs.get(i)) for i in stage.user_inputs]
         self._extra = [rank for _ in stage.extra_inputs]
         self._observed: dict[str, tuple[set[int], int]] = {}
@@ -60,7 +62,7 @@ class StageModule(nn.Module):
     def saved_activation_bytes(self) -> int | None:
         """Bytes of the distinct storages autograd keeps for one microbatch's backward, parameters
         and buffers excluded, under the recompute policy (measured on its first call)."""
-        observed = self._observed.get("plain" if self.recompute == "none" else "remat")
+        observed = self._observed.get("plain" if self._compile_stage is None else "remat")
         return None if observed is None else observed[1]
 
     @property
@@ -97,7 +99,7 @@ class StageModule(nn.Module):
         return out
 
     def _way_of_next_microbatch(self) -> str:
-        if self.recompute == "none":
+        if self._compile_stage is None:
             return "plain"
         if self.fully_stored is None or self.microbatch is None:
             return "remat"
@@ -105,12 +107,9 @@ class StageModule(nn.Module):
 
     def _remat_runner(self, activations: tuple, state: list, user: list):
         if self._remat is None:
-            from sptransform.runtime.module import compile_with_remat
-
             inputs = [*activations, *state, *user, *self._extra]
             first_state = len(activations)
-            compiled = compile_with_remat(self.graph, inputs, self.recompute,
-                                          range(first_state, first_state + len(state)))
+            compiled = self._compile_stage(self.graph, inputs, range(first_state, first_state + len(state)))
 
             returns_tuple = self._returns_tuple
 
@@ -153,7 +152,7 @@ class _FreeingStage(_Stage):
         ops = super().get_fwd_send_ops(fwd_chunk_id)
         if self.is_last:
             return ops
-        outputs, _ = self.fwd_cache[fwd_chunk_id]
+        outputs, _ = stage_forward_cache(self)[fwd_chunk_id]
         assert len(ops) == len(outputs), "one send per output"
         keep = self.submod.saved_outputs or set()
         for index, (op, out) in enumerate(zip(ops, outputs)):

@@ -12,12 +12,15 @@ Table 2 exactly.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from sptransform.planner.presets import ModelShape
 
 Recompute = Literal["none", "selective", "full"]
-RECOMPUTE_POLICIES: tuple[Recompute, ...] = ("none", "selective", "full")
+"""The policies the planner has closed-form byte counts for: the paper's three. Every policy
+the runtime runs is in ``sptransform.options.RECOMPUTE_POLICIES``; the others are measured on
+the graph (``sptransform memory``)."""
+PLANNED_POLICIES: tuple[Recompute, ...] = get_args(Recompute)
 
 MASK_BYTES = 1  # dropout masks are stored as bool
 STATISTIC_BYTES = 4  # per-row statistics (norm mean/rstd, softmax log-sum-exp) are fp32
@@ -65,8 +68,8 @@ def saved_tensors_per_layer(
     include_norm_statistics: bool = False,
 ) -> list[SavedTensor]:
     """The tensors one layer keeps for backward; see ``activation_bytes_per_layer``."""
-    if recompute not in RECOMPUTE_POLICIES:
-        raise ValueError(f"recompute={recompute!r} is not a policy; use one of {RECOMPUTE_POLICIES}")
+    if recompute not in PLANNED_POLICIES:
+        raise ValueError(f"recompute={recompute!r} is not a policy; use one of {PLANNED_POLICIES}")
     check_tensor_parallel_fits(shape, tp=tp, sp=sp, seq_len=seq_len)
     tokens = seq_len * micro_batch
     if recompute == "full":
@@ -164,7 +167,6 @@ def activation_bytes_per_layer(
 def _all_saved_tensors(shape, *, tokens, seq_len, micro_batch, dtype_bytes, include_norm_statistics):
     h, f, a = shape.hidden, shape.ffn, shape.num_heads
     q_width = a * shape.head_dim
-    kv_width = shape.kv_heads * shape.head_dim
     scores = micro_batch * a * seq_len * seq_len
     has_dropout = shape.dropout > 0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from sptransform.planner.activations import RECOMPUTE_POLICIES, Recompute, check_tensor_parallel_fits
+from sptransform.planner.activations import PLANNED_POLICIES, Recompute, check_tensor_parallel_fits
 from sptransform.planner.cluster import Cluster
 from sptransform.planner.params import divisors
 from sptransform.planner.workload import Workload
@@ -57,8 +57,8 @@ def layout_problem(shape: ModelShape, layout: Layout, *, cluster: Cluster, workl
             return f"{name}={getattr(layout, name)} must be at least 1"
     if layout.zero_stage not in (0, 1, 2, 3):
         return f"zero_stage={layout.zero_stage} is not a ZeRO stage; use 0, 1, 2 or 3"
-    if layout.recompute not in RECOMPUTE_POLICIES:
-        return f"recompute={layout.recompute!r} is not a policy; use one of {list(RECOMPUTE_POLICIES)}"
+    if layout.recompute not in PLANNED_POLICIES:
+        return f"recompute={layout.recompute!r} is not a policy; use one of {list(PLANNED_POLICIES)}"
     model_parallel = layout.tp * layout.pp
     if cluster.num_gpus % model_parallel:
         return (

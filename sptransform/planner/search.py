@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from sptransform.planner.activations import RECOMPUTE_POLICIES, Recompute
+from sptransform.planner.activations import PLANNED_POLICIES, Recompute
 from sptransform.planner.cluster import Cluster
 from sptransform.planner.flops import Utilization
 from sptransform.planner.layout import Layout, ZeroStage, layout_problem
@@ -28,7 +28,7 @@ class SearchSpace:
     tp: tuple[int, ...] | None = None
     pp: tuple[int, ...] | None = None
     zero_stages: tuple[ZeroStage, ...] = (0, 1, 2, 3)
-    recompute: tuple[Recompute, ...] = RECOMPUTE_POLICIES
+    recompute: tuple[Recompute, ...] = PLANNED_POLICIES
     micro_batches: tuple[int, ...] = (1, 2, 4, 8)
     sequence_parallel: tuple[bool, ...] = (True, False)
     interleave: tuple[int, ...] = (1,)

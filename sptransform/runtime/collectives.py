@@ -22,13 +22,11 @@ holds its shard's contribution); ``sync_grads`` sums them for parameters.
 from __future__ import annotations
 
 import torch
-import torch.distributed._functional_collectives as funcol
+from sptransform.torch_internals import funcol, resolve_process_group
 
 
 def _resolve(group: str) -> torch.distributed.ProcessGroup:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(group)
+    return resolve_process_group(group)
 
 
 def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from torch.distributed._local_tensor import local_tensor_mode
 
 from sptransform.runtime.collectives import _all_reduce
+from sptransform.torch_internals import funcol, local_tensor_mode, tensor_map
 
 
 def take_local(x: torch.Tensor, dim: int, table: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
@@ -48,8 +47,6 @@ def narrow_vocab(logits: torch.Tensor, per_rank: int, vocab: int, rank: int | No
         return max(0, min(per_rank, vocab - r * per_rank))
 
     if rank is None:
-        from torch.distributed._local_tensor import tensor_map
-
         return tensor_map(logits, lambda r, t: t[..., : width(r)])
     keep = width(rank)
     return logits if keep == per_rank else logits[..., :keep]
@@ -189,7 +186,5 @@ def independent_dropout(x: torch.Tensor, p: float, train: bool, generators: int)
         return keep.div_(1 - p)
 
     if mode is not None:
-        from torch.distributed._local_tensor import tensor_map
-
         return x * tensor_map(x, draw)
     return x * draw(gens.rank if gens.rank is not None else dist.get_rank(), x)

@@ -1,0 +1,158 @@
+"""Every public option of sptransform, as frozen keyword-only dataclasses validated once.
+
+``ParallelOptions`` (tensor/sequence parallelism, dropout, recompute), ``PipelineOptions``
+(pipeline parallelism) and ``RematOptions`` (the rematerialisation pass and the
+``sptransform`` torch.compile backend). Each field is typed with ``Literal`` where it
+takes names, and ``__post_init__`` checks types and ranges, so a bad value fails at the
+call that passed it, naming the value, the rule and the fix.
+
+This module imports nothing of sptransform: every layer may read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+RecomputePolicy = Literal["none", "selective", "full", "norm_upproj"]
+"""What ``parallelize(..., recompute=...)`` names; a number instead is a memory budget."""
+RECOMPUTE_POLICIES: tuple[RecomputePolicy, ...] = get_args(RecomputePolicy)
+
+RematPolicy = Literal["none", "selective", "full", "norm_upproj", "budget", "blocks"]
+"""The rematerialisation pass's policies: the named ones, a budget, and checkpointed blocks."""
+REMAT_POLICIES: tuple[RematPolicy, ...] = get_args(RematPolicy)
+BlockKind = Literal["attention", "mlp"]
+
+ScheduleName = Literal["gpipe", "1f1b", "interleaved1f1b", "looped_bfs", "zbv"]
+SCHEDULE_NAMES: tuple[ScheduleName, ...] = get_args(ScheduleName)
+DEFAULT_STAGES_PER_RANK: dict[str, int] = {"gpipe": 1, "1f1b": 1, "interleaved1f1b": 2, "looped_bfs": 2, "zbv": 2}
+"""Stages each rank holds when ``stages_per_rank`` is not given: one, or two for the
+schedules that run several stages per rank."""
+
+DropoutRng = Literal["independent", "reference"]
+
+
+def _check_int(name: str, value, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be at least {minimum}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelOptions:
+    tp: int
+    """Tensor-parallel degree: ranks that split every linear."""
+    sp: bool = True
+    """Sequence parallelism: norms, dropouts and residuals split along the sequence."""
+    dropout_rng: DropoutRng = "independent"
+    """``independent``: split activations draw masks from a per-rank generator;
+    ``reference``: masks equal the single-device model's bit for bit (tests)."""
+    seed: int | None = None
+    """Seed of the per-rank dropout generators; default ``torch.initial_seed()``."""
+    recompute: RecomputePolicy | float | int = "none"
+    """Rematerialisation of the parallel graph (``sptransform.passes.remat``): ``"none"``,
+    ``"selective"`` (attention internals), ``"full"`` (all but each layer's input),
+    ``"norm_upproj"``, or a memory budget: bytes per rank (int > 1) or a fraction of
+    ``"none"`` (float in (0, 1])."""
+
+    def __post_init__(self) -> None:
+        _check_int("tp", self.tp, minimum=1)
+        if not isinstance(self.sp, bool):
+            raise TypeError(f"sp must be True or False, got {self.sp!r}")
+        if self.dropout_rng not in get_args(DropoutRng):
+            raise ValueError(f"dropout_rng={self.dropout_rng!r}: use 'independent' or 'reference'")
+        if isinstance(self.recompute, str):
+            if self.recompute not in RECOMPUTE_POLICIES:
+                raise ValueError(
+                    f"recompute={self.recompute!r} is not a policy: use one of {list(RECOMPUTE_POLICIES)} "
+                    "or a memory budget (bytes per rank, or a fraction of 'none' in (0, 1])"
+                )
+        elif isinstance(self.recompute, bool) or not isinstance(self.recompute, (int, float)) or self.recompute <= 0:
+            raise ValueError(f"recompute={self.recompute!r}: a budget must be a positive number of bytes or a fraction")
+
+    @property
+    def remat(self) -> "RematOptions | None":
+        """The rematerialisation pass's options for ``recompute`` (None for ``"none"``)."""
+        if self.recompute == "none":
+            return None
+        if isinstance(self.recompute, str):
+            return RematOptions(policy=self.recompute)
+        return RematOptions(policy="budget", budget=self.recompute)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineOptions:
+    pp: int
+    """Pipeline-parallel degree: ranks that each hold a slice of the layers."""
+    schedule: ScheduleName = "1f1b"
+    """Torch schedule that runs the stages (see ``sptransform.pipeline.schedule.SCHEDULES``)."""
+    n_microbatches: int = 1
+    """Microbatches each global batch is split into (along dim 0 of every tensor input)."""
+    stages_per_rank: int | None = None
+    """Virtual stages per rank; default 1, or 2 for multi-stage schedules."""
+    stored_microbatches: int | None = None
+    """Microbatch-level recomputation (Korthikanti et al., Appendix C): each stage keeps every
+    activation of up to this many in-flight microbatches, a moving window, and runs the
+    recompute policy on the others. ``None``: every microbatch runs the policy."""
+
+    def __post_init__(self) -> None:
+        _check_int("pp", self.pp, minimum=1)
+        _check_int("n_microbatches", self.n_microbatches, minimum=1)
+        if self.stored_microbatches is not None:
+            _check_int("stored_microbatches", self.stored_microbatches, minimum=0)
+        if self.stages_per_rank is not None:
+            _check_int("stages_per_rank", self.stages_per_rank, minimum=1)
+        if str(self.schedule).lower() not in SCHEDULE_NAMES:
+            raise ValueError(f"schedule={self.schedule!r} is not one sptransform runs; use one of {', '.join(SCHEDULE_NAMES)}")
+
+    @property
+    def virtual(self) -> int:
+        """Stages per rank."""
+        return self.stages_per_rank or DEFAULT_STAGES_PER_RANK[str(self.schedule).lower()]
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual
+
+
+@dataclass(frozen=True, kw_only=True)
+class RematOptions:
+    """How the rematerialisation pass partitions a joint forward+backward graph."""
+
+    policy: RematPolicy = "none"
+    """What to recompute; see ``sptransform.passes.remat``."""
+    budget: int | float | None = None
+    """For ``policy="budget"``: bytes saved for backward per rank (an int), or a fraction
+    of what ``"none"`` saves (a float in (0, 1])."""
+    replay_rng: bool = True
+    """Recompute random ops by replaying their RNG state exactly; else save their outputs."""
+    recompute_collectives: bool = False
+    """Allow recomputing collectives (priced by the bytes they move)."""
+    regather_sequence_shards: bool = True
+    """Sequence parallelism: never save an all-gather's output that feeds a weight matmul;
+    save its local shard and gather again in backward (the paper's section 4.2.2). A no-op
+    on graphs without such all-gathers."""
+    flops_per_comm_byte: float = 1000.0
+    """Recompute cost of moving one byte, in FLOPs (about an A100's FLOP/s over its NVLink B/s)."""
+    blocks: tuple[BlockKind, ...] = ()
+    """For ``policy="blocks"``: checkpoint these sublayer kinds like ``torch.utils.checkpoint``
+    of a block (save its input, recompute its body): ``("attention",)``, ``("mlp",)`` or both."""
+
+    def __post_init__(self):
+        if self.policy not in REMAT_POLICIES:
+            raise ValueError(f"unknown recompute policy {self.policy!r}; use one of {list(REMAT_POLICIES)}")
+        if (self.policy == "blocks") != bool(self.blocks) or set(self.blocks) - set(get_args(BlockKind)):
+            raise ValueError(
+                f"blocks={self.blocks!r} with policy={self.policy!r}: policy='blocks' takes blocks from "
+                "('attention', 'mlp'), and only it does"
+            )
+        if self.policy == "budget":
+            if self.budget is None:
+                raise ValueError('policy="budget" needs budget=<bytes per rank> or a fraction of "none" in (0, 1]')
+            if isinstance(self.budget, float) and not 0 < self.budget <= 1:
+                raise ValueError(f"budget={self.budget} as a fraction of 'none' must be in (0, 1]; pass bytes as an int")
+            if isinstance(self.budget, int) and self.budget < 0:
+                raise ValueError(f"budget={self.budget} bytes is negative")
+        elif self.budget is not None:
+            raise ValueError(f'budget={self.budget!r} only applies to policy="budget", not {self.policy!r}')

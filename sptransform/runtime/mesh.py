@@ -1,0 +1,58 @@
+"""The device meshes sptransform runs on, resolved from the user's ``mesh`` or the process group."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+def _device_type(device: torch.device) -> str:
+    return "cuda" if device.type == "cuda" else "cpu"
+
+
+def resolve_tp_mesh(tp: int, mesh: DeviceMesh | None, device: torch.device) -> DeviceMesh | None:
+    """The 1-D tensor-parallel mesh: the one given, or one over the whole process group
+    (None for tp=1 without a process group)."""
+    if mesh is not None:
+        if mesh.ndim != 1 or mesh.size() != tp:
+            raise ValueError(f"mesh has shape {tuple(mesh.shape)} but tp={tp}: pass a 1-D mesh of {tp} ranks")
+        return mesh
+    if not dist.is_available() or not dist.is_initialized():
+        if tp == 1:
+            return None
+        raise ValueError(
+            f"tp={tp} needs a process group, and none is initialized: launch with "
+            f"`torchrun --nproc-per-node {tp} ...` and call torch.distributed.init_process_group() "
+            "(gloo on CPU, nccl on GPU) before parallelize"
+        )
+    world = dist.get_world_size()
+    if world != tp:
+        raise ValueError(
+            f"tp={tp} differs from the process group's size {world}: use tp={world}, "
+            "or pass mesh= a 1-D DeviceMesh of tp ranks"
+        )
+    return init_device_mesh(_device_type(device), (tp,), mesh_dim_names=("tp",))
+
+
+def resolve_pipeline_mesh(pp: int, tp: int, mesh: DeviceMesh | None, device: torch.device) -> DeviceMesh:
+    """The ``pp x tp`` mesh: the one given, or one over the initialized process group."""
+    if mesh is not None:
+        if mesh.ndim != 2 or tuple(mesh.shape) != (pp, tp) or tuple(mesh.mesh_dim_names or ()) != ("pp", "tp"):
+            raise ValueError(
+                f"mesh has shape {tuple(mesh.shape)} (axes {mesh.mesh_dim_names}) but pp={pp}, tp={tp}: pass a 2-D "
+                f"DeviceMesh of shape ({pp}, {tp}) with mesh_dim_names=('pp', 'tp')"
+            )
+        return mesh
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(
+            f"pp={pp} x tp={tp} needs a process group of {pp * tp} ranks, and none is initialized: launch with "
+            f"`torchrun --nproc-per-node {pp * tp} ...` and call torch.distributed.init_process_group() first"
+        )
+    world = dist.get_world_size()
+    if world != pp * tp:
+        raise ValueError(
+            f"pp={pp} x tp={tp} = {pp * tp} ranks, but the process group has {world}: "
+            f"choose pp and tp with pp * tp == {world}, or pass mesh= a ({pp}, {tp}) DeviceMesh"
+        )
+    return init_device_mesh(_device_type(device), (pp, tp), mesh_dim_names=("pp", "tp"))

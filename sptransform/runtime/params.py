@@ -1,0 +1,121 @@
+"""The parallel modules' parameters: DTensors on the tensor-parallel mesh under the original names.
+
+Shared by ``ParallelModule`` and ``PipelinedModule``: how a planned split becomes a DTensor
+placement, the local shard's shape, building a parameter's local shard (from real values,
+from the meta device, or per simulated rank), and registering tensors under dotted names.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from sptransform.graph.sharding import DimShard
+from sptransform.torch_internals import StridedShard, local_tensor_mode
+
+
+def device_of(model: nn.Module) -> torch.device:
+    """Where the parallel module's tensors live: the first non-meta parameter's device (CPU if none)."""
+    return next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+
+
+def call_defaults(model: nn.Module) -> dict:
+    """Keyword inputs set unless the caller sets them: ``use_cache=False`` for models that
+    take it (HF), since a KV cache of split heads is not something a training step returns."""
+    parameters = inspect.signature(model.forward).parameters
+    return {"use_cache": False} if "use_cache" in parameters else {}
+
+
+def placement_of(spec: DimShard | None) -> object:
+    """``DimShard`` -> DTensor placement (Shard, _StridedShard for k equal segments)."""
+    if spec is None:
+        return Replicate()
+    if len(spec.segments) == 1:
+        return Shard(spec.dim)
+    lengths = {length for _, length in spec.segments}
+    starts = [start for start, _ in spec.segments]
+    if len(lengths) == 1 and starts == [i * next(iter(lengths)) for i in range(len(starts))]:
+        return StridedShard(spec.dim, split_factor=len(spec.segments))
+    raise ValueError(
+        f"a fused weight split into unequal segments {spec.segments} along dim {spec.dim} has no "
+        "DTensor placement; split the fused projection into separate linears"
+    )
+
+
+def local_shape(shape, placement, tp: int, rank: int) -> list[int]:
+    """This rank's shard shape, with torch.chunk's rule for uneven splits (as DTensor)."""
+    local = list(shape)
+    if isinstance(placement, (Shard, StridedShard)):
+        size = shape[placement.dim]
+        chunk = -(-size // tp)
+        local[placement.dim] = max(0, min(chunk, size - rank * chunk))
+    return local
+
+
+def contiguous_stride(shape) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))
+
+
+def shard_parameter(param: nn.Parameter, placement, mesh: DeviceMesh, device: torch.device) -> nn.Parameter:
+    """``param`` as a DTensor on the 1-D ``mesh`` holding only this rank's shard.
+
+    A meta parameter gets an uninitialized local shard (values come from a checkpoint);
+    otherwise rank 0's values are the source of truth. Under LocalTensorMode each simulated
+    rank gets its own storage."""
+    tp = mesh.size()
+    if param.device.type == "meta":
+        def make(rank: int) -> torch.Tensor:
+            return torch.empty(local_shape(param.shape, placement, tp, rank), dtype=param.dtype, device=device)
+
+        mode = local_tensor_mode()
+        local = mode.rank_map(make) if mode is not None else make(mesh.get_local_rank())
+        dtensor = DTensor.from_local(local, mesh, [placement], run_check=False, shape=param.shape, stride=param.stride())
+    else:
+        dtensor = _distribute(param.detach(), placement, mesh)
+    return nn.Parameter(dtensor, requires_grad=param.requires_grad)
+
+
+def _distribute(full: torch.Tensor, placement, mesh: DeviceMesh) -> DTensor:
+    mode = local_tensor_mode()
+    if mode is None:
+        # A copy, so the user's module and the parallel one never share storage.
+        return distribute_tensor(full.clone(), mesh, [placement], src_data_rank=0)
+    # Simulated ranks: each gets its own storage (a replicated LocalTensor built from one
+    # plain tensor would alias it, and in-place optimizer steps would run once per rank).
+    if isinstance(placement, Replicate):
+        local = mode.rank_map(lambda r: full.clone())
+        return DTensor.from_local(local, mesh, [placement], run_check=False)
+    return distribute_tensor(full, mesh, [placement], src_data_rank=None)
+
+
+def set_by_path(root: nn.Module, path: str, value, *, kind: str, persistent: bool = True) -> None:
+    """Register ``value`` as parameter or buffer ``path`` (dotted) of ``root``, making empty
+    submodules on the way so that names match the original model's."""
+    *parents, leaf = path.split(".")
+    module = root
+    for part in parents:
+        child = module._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            module.add_module(part, child)
+        module = child
+    if kind == "parameter":
+        module.register_parameter(leaf, value)
+    else:
+        module.register_buffer(leaf, value, persistent=persistent)
+
+
+def get_by_path(root: nn.Module, path: str):
+    *parents, leaf = path.split(".")
+    module = root
+    for part in parents:
+        module = module._modules[part]
+    return getattr(module, leaf)

@@ -1,0 +1,142 @@
+"""Every private torch API sptransform uses, in one place, each with why and what would replace it.
+
+sptransform is tested on one torch minor version (``TESTED_TORCH``); private APIs can change
+in any release, so importing sptransform on another version is a clear error here rather
+than an ``AttributeError`` deep inside a pass. Set ``SPTRANSFORM_ALLOW_UNTESTED_TORCH=1`` to
+import anyway (a warning is issued; a missing private API then fails with a message naming
+it, at import of this module).
+
+No other module of sptransform imports a private torch name (``torch._*`` modules or
+``_``-prefixed attributes); ``tests/test_torch_internals.py`` checks that.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+TESTED_TORCH = (2, 13)
+"""The torch minor version sptransform is tested on (``pyproject.toml`` pins ``>=2.13,<2.14``)."""
+
+
+def _check_version() -> None:
+    version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    if version == TESTED_TORCH:
+        return
+    wanted = ".".join(map(str, TESTED_TORCH))
+    message = (
+        f"sptransform is tested on torch {wanted}.x and relies on private torch APIs that change between "
+        f"releases; found torch {torch.__version__}. Install torch=={wanted}.* (e.g. `pip install torch=={wanted}.0`)"
+    )
+    if os.environ.get("SPTRANSFORM_ALLOW_UNTESTED_TORCH") == "1":
+        warnings.warn(message + "; continuing because SPTRANSFORM_ALLOW_UNTESTED_TORCH=1", RuntimeWarning, stacklevel=3)
+        return
+    raise ImportError(message + ", or set SPTRANSFORM_ALLOW_UNTESTED_TORCH=1 to try anyway")
+
+
+_check_version()
+
+try:
+    # -- tracing and fake tensors -------------------------------------------------------
+    # FakeTensorMode: a copy of the user's model with storage-less parameters is traced, so one
+    # rank of a 175B model traces on a laptop. Public replacement: none (torch.export takes fake
+    # inputs only through this mode).
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    # detect_fake_mode: find the fake mode of a graph's example values to make more fake inputs.
+    # Public replacement: none.
+    from torch._guards import detect_fake_mode
+
+    # pytree: flatten/unflatten the user's (args, kwargs) exactly as torch.export does.
+    # Public replacement: torch.utils.pytree (planned public module; not complete in 2.13).
+    from torch.utils import _pytree as pytree
+
+    # -- in-process simulation of ranks -----------------------------------------------------
+    # LocalTensorMode runs N simulated ranks in one process (tests, verify); graphs must run
+    # under it and tracing must step out of it. Public replacement: none yet.
+    from torch.distributed._local_tensor import (
+        LocalTensor,
+        LocalTensorMode,
+        local_tensor_mode,
+        maybe_disable_local_tensor_mode,
+        tensor_map,
+    )
+
+    # FakeStore: the store of the "fake" process group, used to trace one rank of a large model
+    # without hardware (measure, verify). Public replacement: none (lives in torch.testing._internal).
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    # -- DTensor ----------------------------------------------------------------------------
+    # _StridedShard: the placement of a fused [q|k|v] weight split per head inside each segment.
+    # Public replacement: none (DTensor exposes only Shard/Replicate/Partial).
+    from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
+
+    # -- collectives -------------------------------------------------------------------------
+    # Functional collectives keep graphs traceable (torch.compile, AOTAutograd). The module is
+    # the documented way to use them, though its name is private.
+    import torch.distributed._functional_collectives as funcol
+
+    # _resolve_process_group: a group name (what functional collectives take) -> the group, to
+    # read this rank's index. Public replacement: dist.get_group_rank on a ProcessGroup object.
+    from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
+
+    # -- AOTAutograd and the partitioners ----------------------------------------------------
+    # aot_module_simplified: the joint forward+backward graph and a partition_fn hook; it is what
+    # torch.compile's backends call. Public replacement: functorch.compile.aot_module_simplified
+    # re-exports it (same object); kept here so every AOTAutograd entry is in one place.
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from functorch.compile import make_boxed_func
+
+    # torch's own partitioners (for measuring against them) and the pieces of theirs our
+    # partition reuses: node classification, forward/backward extraction, RNG functionalization,
+    # the backward reordering that mimics the autograd engine. Public replacement: none.
+    from torch._functorch import partitioners as partitioners
+    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+
+    # functorch config: donated buffers must be off when a stage's backward is split in two
+    # (zero-bubble schedules retain the graph); torch's activation budget for comparisons.
+    # Public replacement: none.
+    from torch._functorch import config as functorch_config
+
+    # rng_prims: the higher-order ops that run a random op with a saved or replayed generator
+    # state (what exact dropout replay is made of). Public replacement: none.
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+    # -- pipelining -------------------------------------------------------------------------
+    # The stage->rank mapping of loop and V placements, and the action order torch's multi-stage
+    # schedules execute (so memory and balance follow what runs). Public replacement: none.
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    # StorageWeakRef: identify a storage (what autograd saves) without keeping it alive.
+    # Public replacement: none (torch.multiprocessing.reductions is internal plumbing).
+    from torch.multiprocessing.reductions import StorageWeakRef
+except (ImportError, AttributeError) as error:  # pragma: no cover - only on an untested torch
+    raise ImportError(
+        f"sptransform needs a private torch API that torch {torch.__version__} does not have ({error}); "
+        f"install torch=={'.'.join(map(str, TESTED_TORCH))}.*"
+    ) from error
+
+
+def dynamo_static_input(x) -> bool:
+    """Dynamo's mark on inlined nn.Module buffers (``_dynamo_static_input_type``, set in
+    torch/_dynamo/variables/builder.py): the backend treats them as state. Public replacement:
+    none (dynamo does not expose which graph inputs are module state)."""
+    return getattr(x, "_dynamo_static_input_type", None) is not None
+
+
+def stage_forward_cache(stage) -> dict:
+    """``PipelineStage.fwd_cache``: the outputs a stage keeps until that microbatch's backward,
+    which ``_FreeingStage`` releases early. Public replacement: none."""
+    return stage.fwd_cache
+
+
+__all__ = [
+    "FakeStore", "FakeTensor", "FakeTensorMode", "LocalTensor", "LocalTensorMode", "StorageWeakRef", "StridedShard",
+    "TESTED_TORCH", "aot_module_simplified", "default_partition", "detect_fake_mode", "dynamo_static_input", "funcol",
+    "functorch_config", "generate_stage_to_rank_mapping", "get_schedule_ops", "local_tensor_mode", "make_boxed_func",
+    "maybe_disable_local_tensor_mode", "min_cut_rematerialization_partition", "partitioners", "pytree",
+    "resolve_process_group", "run_and_save_rng_state", "run_with_rng_state", "stage_forward_cache", "tensor_map",
+]

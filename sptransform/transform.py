@@ -1,0 +1,176 @@
+"""The driver: the one visible pass list, and the one AOTAutograd driver.
+
+Every path (``parallelize``'s module, its pipeline stages, ``sptransform memory``, the
+``sptransform`` torch.compile backend) runs the passes listed here, in this order:
+
+    capture                      capture.capture               torch.export, fake parameters
+    analyse                      graph.analysis.analyze        linears, regions, head, loss
+    tensor-parallel              passes.tensor_parallel        split linears, heads, vocabulary
+    sequence-parallel | f / f̄    passes.sequence_parallel      g / ḡ (or f / f̄ with sp=False)
+    dropout                      passes.dropout                rank-aware masks
+    gradient buckets             passes.grad_sync              one all-reduce per layer
+    [pipeline split]             pipeline.plan                 pp > 1: stages at layer boundaries
+    [remat partition, compile]   passes.remat + aot_compile    recompute != "none": AOTAutograd
+
+``build_parallel_graph`` runs the first six; ``plan_pipeline`` the split; ``aot_compile`` is
+the only call of AOTAutograd in sptransform (the parallel module, each pipeline stage, the
+measurement drivers and the backend go through it). At DEBUG level (logger
+``sptransform.transform``) each pass logs the graph's node counts by op before and after.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from sptransform.capture import FakeTemplate, capture
+from sptransform.graph.analysis import analyze
+from sptransform.graph.plan import ParallelGraph
+from sptransform.options import ParallelOptions, PipelineOptions, RematOptions
+from sptransform.passes.dropout import shard_dropout
+from sptransform.passes.grad_sync import bucket_replicated_grads
+from sptransform.passes.remat import remat_partition
+from sptransform.passes.sequence_parallel import sequence_parallel
+from sptransform.passes.tensor_parallel import insert_tp_collectives, shard_linears
+from sptransform.pipeline.plan import PipelinePlan
+from sptransform.pipeline.plan import plan_pipeline as _plan_pipeline
+from sptransform.runtime.collectives import _resolve
+from sptransform.torch_internals import aot_module_simplified, local_tensor_mode, make_boxed_func, maybe_disable_local_tensor_mode
+
+log = logging.getLogger(__name__)
+
+
+def _op_counts(gm: fx.GraphModule) -> Counter:
+    return Counter(str(getattr(n.target, "__name__", n.target)) if n.op == "call_function" else n.op for n in gm.graph.nodes)
+
+
+def _logged(name: str, gm: fx.GraphModule, run: Callable[[], object]):
+    """Run one pass, logging node counts by op that changed (DEBUG)."""
+    if not log.isEnabledFor(logging.DEBUG):
+        return run()
+    before = _op_counts(gm)
+    result = run()
+    after = _op_counts(gm)
+    changed = {op: (before[op], after[op]) for op in sorted(set(before) | set(after)) if before[op] != after[op]}
+    log.debug("%s: %d -> %d nodes; %s", name, sum(before.values()), sum(after.values()),
+              ", ".join(f"{op} {a}->{b}" for op, (a, b) in changed.items()) or "no change")
+    return result
+
+
+def build_parallel_graph(
+    template: FakeTemplate, args: tuple, kwargs: dict, options: ParallelOptions, group: str | None, generators: int
+) -> ParallelGraph:
+    """capture -> analyse -> tensor-parallel -> sequence-parallel (or f/f̄) -> dropout -> grad buckets."""
+    with maybe_disable_local_tensor_mode():  # tracing sees one rank, never simulated ones
+        captured = capture(template, args, kwargs)
+    log.debug("capture: %d nodes", len(captured.gm.graph.nodes))
+    if options.tp == 1:
+        return ParallelGraph(captured, None, None)  # nothing to split: the captured graph runs as is
+    analysis = analyze(captured, options.tp)
+    gm = captured.gm
+    # A real rank's graph may be specialized on its rank; one serving simulated ranks may not.
+    static_rank = None if local_tensor_mode() is not None else _resolve(group).rank()
+    plan = _logged("tensor_parallel", gm, lambda: shard_linears(
+        gm, analysis, tp=options.tp, sp=options.sp, group=group, static_rank=static_rank))
+    if options.sp:
+        if analysis.seq_len is None:
+            raise ValueError("sp=True needs an attention to find the sequence dim; none was found: pass sp=False")
+        _logged("sequence_parallel", gm, lambda: sequence_parallel(gm, plan, seq_len=analysis.seq_len))
+    else:
+        _logged("tp_collectives", gm, lambda: insert_tp_collectives(gm, plan))
+    _logged("dropout", gm, lambda: shard_dropout(gm, plan, mode=options.dropout_rng, generators=generators))
+    _logged("grad_sync", gm, lambda: bucket_replicated_grads(gm, plan, [(r.row.node, r.layer) for r in analysis.regions]))
+    return ParallelGraph(captured, analysis, plan)
+
+
+def plan_pipeline(graph: ParallelGraph, template: FakeTemplate, args: tuple, kwargs: dict,
+                  options: PipelineOptions) -> PipelinePlan:
+    """[pipeline split]: layer boundaries, measured costs, balance, one graph per stage."""
+    plan = _plan_pipeline(graph, template, args, kwargs, options)
+    log.debug("pipeline split: %d layers into %d stages starting at layers %s",
+              plan.num_layers, len(plan.stages), plan.starts)
+    return plan
+
+
+# ---------------------------------------------------------------------------
+# the AOTAutograd driver
+
+
+def eager_compiler(gm: fx.GraphModule, _example_inputs):
+    """Run a partitioned forward or backward graph op by op (no code generation)."""
+    return make_boxed_func(gm.forward)
+
+
+def aot_compile(module: torch.nn.Module, tensor_inputs: Sequence[torch.Tensor], *, partition_fn,
+                compiler=eager_compiler) -> Callable:
+    """The one AOTAutograd entry: ``module``'s joint graph, split by ``partition_fn``, with the
+    forward and backward compiled by ``compiler``. AOTAutograd lifts ``module``'s own
+    parameters and buffers in front of ``tensor_inputs`` (``state_count``)."""
+    return aot_module_simplified(module, list(tensor_inputs), fw_compiler=compiler, bw_compiler=compiler,
+                                 partition_fn=partition_fn)
+
+
+def state_count(module: torch.nn.Module) -> int:
+    """How many joint inputs AOTAutograd lifts from ``module`` (its parameters and buffers)."""
+    return len(
+        {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers(remove_duplicate=False))}
+    )
+
+
+def compile_with_remat(gm: fx.GraphModule, inputs: list, remat: RematOptions, state_positions: Sequence[int]):
+    """AOTAutograd over a captured graph with the rematerialisation partition of ``remat``.
+
+    Non-tensor inputs (flags such as ``use_cache``) are baked in as constants first;
+    the parameters/buffers (``gm``'s own index tables, then the inputs at
+    ``state_positions``) are state, never activations. Returns a function of the
+    tensor inputs, in order, that returns a tuple (also when ``gm`` returns one tensor)."""
+    gm = copy.deepcopy(gm)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    tensor_index: dict[int, int] = {}
+    for position, (node, value) in enumerate(zip(placeholders, inputs)):
+        if isinstance(value, torch.Tensor):
+            tensor_index[position] = len(tensor_index)
+        else:
+            node.replace_all_uses_with(value) if node.users else None
+            gm.graph.erase_node(node)
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    if not isinstance(output.args[0], (tuple, list)):  # AOTAutograd wants tuple outputs
+        output.args = ((output.args[0],),)
+    gm.recompile()
+    own = state_count(gm)
+    state = list(range(own)) + [own + tensor_index[p] for p in state_positions if p in tensor_index]
+    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+    return aot_compile(gm, tensors, partition_fn=remat_partition(remat, state_indices=state))
+
+
+@dataclass
+class GraphFactory:
+    """What a parallel module asks for when it meets a new input signature: the transformed
+    graph (``build``) and, with ``recompute``, its AOTAutograd-partitioned runner (``compile``).
+    Handing this to the runtime keeps ``runtime/`` free of passes."""
+
+    template: FakeTemplate
+    options: ParallelOptions
+    group: str | None
+    generators: int
+    device: torch.device
+
+    def build(self, args: tuple, kwargs: dict) -> ParallelGraph:
+        graph = build_parallel_graph(self.template, args, kwargs, self.options, self.group, self.generators)
+        graph.gm.to(self.device)  # index tables the passes added live with the parameters
+        return graph
+
+    def plan_pipeline(self, graph: ParallelGraph, args: tuple, kwargs: dict, pipeline: PipelineOptions) -> PipelinePlan:
+        return plan_pipeline(graph, self.template, args, kwargs, pipeline)
+
+    def compile(self, gm: fx.GraphModule, inputs: list, state_positions: Sequence[int]) -> Callable:
+        remat = self.options.remat
+        if remat is None:
+            raise ValueError("compile() partitions by a recompute policy, and recompute='none'")
+        return compile_with_remat(gm, inputs, remat, state_positions)
