@@ -4,5 +4,6 @@
 """
 
 from .api import ParallelOptions, parallelize
+from .verify import VerifyReport, verify
 
-__all__ = ["parallelize", "ParallelOptions"]
+__all__ = ["parallelize", "ParallelOptions", "verify", "VerifyReport"]

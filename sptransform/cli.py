@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sptransform import memory_cli, schedule_cli
+from sptransform import memory_cli, schedule_cli, verify_cli
 from sptransform.planner import flops_command, plan_command
 
 SUBCOMMANDS = (
@@ -18,6 +18,7 @@ SUBCOMMANDS = (
     flops_command,
     memory_cli,
     schedule_cli,
+    verify_cli,
 )
 
 
