@@ -165,6 +165,17 @@ def test_fused_attention_dropout_is_compared_in_eval_mode_with_a_note():
     assert {row.kind for row in report.rows} == {"output", "grad", "param after 2 steps"}
 
 
+def test_logits_only_model_backpropagates_the_sum_of_its_vocab_sharded_logits():
+    """No labels: no loss; the sum of the logits (a DTensor sharded on the vocab, padded for
+    101 % 2) is back-propagated on both sides."""
+    model = gpt2()
+    ids = torch.randint(0, 101, (2, 16))
+    report = sptransform.verify(model, tp=2, example_inputs=(ids,))
+    assert report.ok, str(report)
+    assert any("sum(logits)" in note for note in report.notes)
+    assert [row.name for row in report.rows if row.kind == "output"] == ["logits"]
+
+
 def test_gemma_style_norm_weight_gradient_under_sp(models):
     """Gemma's ``x * (1 + weight)`` norm: the weight's gradient under SP is (at the time of
     writing) only this rank's share, not summed over ranks. verify must say so and point at the
