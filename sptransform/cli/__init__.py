@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sptransform.cli import flops, memory, plan, schedule
+from sptransform.cli import flops, memory, plan, schedule, verify
 
 SUBCOMMANDS = (
     plan,
     flops,
     memory,
     schedule,
+    verify,
 )
 
 

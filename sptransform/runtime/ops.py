@@ -47,9 +47,23 @@ def narrow_vocab(logits: torch.Tensor, per_rank: int, vocab: int, rank: int | No
         return max(0, min(per_rank, vocab - r * per_rank))
 
     if rank is None:
-        return tensor_map(logits, lambda r, t: t[..., : width(r)])
+        return _NarrowSimulated.apply(logits, per_rank, width)
     keep = width(rank)
     return logits if keep == per_rank else logits[..., :keep]
+
+
+class _NarrowSimulated(torch.autograd.Function):
+    """``narrow_vocab`` of simulated ranks: ``tensor_map`` is invisible to autograd, so the
+    backward (zero gradient for the padded columns) is spelled out."""
+
+    @staticmethod
+    def forward(ctx, logits, per_rank, width):
+        ctx.per_rank = per_rank
+        return tensor_map(logits, lambda r, t: t[..., : width(r)])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tensor_map(grad, lambda r, g: F.pad(g, (0, ctx.per_rank - g.shape[-1]))), None, None
 
 
 def vocab_parallel_embedding(
