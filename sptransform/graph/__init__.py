@@ -1,0 +1,1 @@
+"""Graph-level placement analysis helpers."""
