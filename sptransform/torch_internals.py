@@ -110,6 +110,34 @@ try:
     from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
+    # -- DTensor's sharding propagator (graph/dtensor_rules.py) -------------------------------
+    # The registry of per-op sharding strategies and DTensor's own choice among them, queried
+    # without a process group: the propagator object and its strategy types, the expansion of
+    # single-dim rules, and the decomposition path. The propagator's methods used there
+    # (_wrap_with_op_strategy, propagate_op_sharding_non_cached, decomp_strategy's
+    # ensure_schema_info / _get_fake_mesh / _propagate_through_decomp) are listed in that
+    # module. Public replacement: a "strategies for (op, input specs, mesh)" query (none in 2.13).
+    from torch.distributed.tensor import DTensor as _DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._op_schema import OpSchema, RuntimeSchemaInfo, TupleStrategy
+    from torch.distributed.tensor._ops.single_dim_strategy import (
+        _fill_single_dim_strategy_placeholders as fill_single_dim_strategy_placeholders,
+        _insert_single_dim_replication_strategy as insert_single_dim_replication_strategy,
+    )
+    from torch.distributed.tensor._decompositions import DecompShardingStrategy
+
+    # Data-dependent shapes (MoE routing, nonzero): recognized to refuse them clearly.
+    # Public replacement: none (not in symbolic_shapes' __all__).
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, free_unbacked_symbols
+
+    # Suspend fake/proxy dispatch modes while building a real (tiny) tensor, e.g. a mesh's rank
+    # map, in the middle of tracing. Public replacement: none.
+    from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
+
+    # The type of ``node.target`` for an ATen op. Public replacement: none (torch.ops.* objects'
+    # type is only reachable through torch._ops).
+    from torch._ops import OpOverload
+
     # StorageWeakRef: identify a storage (what autograd saves) without keeping it alive.
     # Public replacement: none (torch.multiprocessing.reductions is internal plumbing).
     from torch.multiprocessing.reductions import StorageWeakRef
@@ -118,6 +146,26 @@ except (ImportError, AttributeError) as error:  # pragma: no cover - only on an 
         f"sptransform needs a private torch API that torch {torch.__version__} does not have ({error}); "
         f"install torch=={'.'.join(map(str, TESTED_TORCH))}.*"
     ) from error
+
+
+def sharding_propagator():
+    """DTensor's ``ShardingPropagator`` (``DTensor._op_dispatcher.sharding_propagator``)."""
+    return _DTensor._op_dispatcher.sharding_propagator
+
+
+def abstract_device_mesh(device_type: str, tp: int):
+    """A 1-D DeviceMesh of ``tp`` ranks with no process group behind it, as DTensor builds its
+    own decomposition mesh (``_init_backend=False``, this process as rank 0). Public
+    replacement: none (``init_device_mesh`` always creates process groups)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh(device_type, list(range(tp)), _init_backend=False, _rank=0)
+
+
+def register_lazy_dtensor_strategies() -> None:
+    """DTensor registers one strategy lazily in 2.13 (``prims.fma``, when inductor's prims
+    are imported); importing them registers it. Public replacement: eager registration."""
+    import torch._inductor.inductor_prims  # noqa: F401
 
 
 def dynamo_static_input(x) -> bool:
@@ -134,6 +182,10 @@ def stage_forward_cache(stage) -> dict:
 
 
 __all__ = [
+    "DTensorSpec", "DecompShardingStrategy", "GuardOnDataDependentSymNode", "OpOverload", "OpSchema",
+    "RuntimeSchemaInfo", "TensorMeta", "TupleStrategy", "abstract_device_mesh", "disable_current_modes",
+    "fill_single_dim_strategy_placeholders", "free_unbacked_symbols", "insert_single_dim_replication_strategy",
+    "register_lazy_dtensor_strategies", "sharding_propagator",
     "FakeStore", "FakeTensor", "FakeTensorMode", "LocalTensor", "LocalTensorMode", "StorageWeakRef", "StridedShard",
     "TESTED_TORCH", "aot_module_simplified", "default_partition", "detect_fake_mode", "dynamo_static_input", "funcol",
     "functorch_config", "generate_stage_to_rank_mapping", "get_schedule_ops", "local_tensor_mode", "make_boxed_func",

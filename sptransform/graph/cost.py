@@ -27,6 +27,8 @@ from torch.utils.flop_counter import flop_registry
 
 from sptransform.graph.nodes import is_collective, is_view, packet, tensor_val, val
 
+from sptransform.torch_internals import OpOverload
+
 aten = torch.ops.aten
 
 # CPU's fused attention is not in torch's registry; its FLOPs are those of the flash kernel.
@@ -102,7 +104,7 @@ def node_cost(node: fx.Node) -> Cost:
             return Cost()
         moved = max([_nbytes(val(node))] + [_nbytes(val(a)) for a in node.all_input_nodes])
         return Cost(comm_bytes=moved)
-    flops = _matmul_flops(node) if isinstance(node.target, torch._ops.OpOverload) else 0
+    flops = _matmul_flops(node) if isinstance(node.target, OpOverload) else 0
     if flops:
         return Cost(matmul_flops=flops)
     touched = [_numel(val(node))] + [_numel(val(a)) for a in node.all_input_nodes if tensor_val(a) is not None]

@@ -12,7 +12,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from sptransform.torch_internals import run_and_save_rng_state, run_with_rng_state
+from sptransform.torch_internals import OpOverload, run_and_save_rng_state, run_with_rng_state
 
 aten = torch.ops.aten
 
@@ -36,11 +36,11 @@ def tensor_val(node) -> torch.Tensor | None:
 
 def packet(node: fx.Node):
     target = node.target
-    return target.overloadpacket if isinstance(target, torch._ops.OpOverload) else target
+    return target.overloadpacket if isinstance(target, OpOverload) else target
 
 
 def _returns_alias(target) -> bool:
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return False
     if target._schema.name in _UNANNOTATED_ALIASES:
         return True
@@ -97,7 +97,7 @@ def is_random(node: fx.Node) -> bool:
 
     An attention kernel called with ``dropout_p=0`` is tagged random but draws nothing."""
     op, args, kwargs = unwrap_rng(node)
-    if not (isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags):
+    if not (isinstance(op, OpOverload) and torch.Tag.nondeterministic_seeded in op.tags):
         return node.target in _RNG_WRAPPERS
     names = [a.name for a in op._schema.arguments]
     if "dropout_p" in names:
@@ -109,7 +109,7 @@ def is_random(node: fx.Node) -> bool:
 
 def is_collective(node: fx.Node) -> bool:
     target = node.target
-    return isinstance(target, torch._ops.OpOverload) and target.namespace in _COLLECTIVE_NAMESPACES
+    return isinstance(target, OpOverload) and target.namespace in _COLLECTIVE_NAMESPACES
 
 
 def is_matmul(node: fx.Node) -> bool:
@@ -119,7 +119,7 @@ def is_matmul(node: fx.Node) -> bool:
 def is_fused_attention(node: fx.Node) -> bool:
     """A fused softmax-attention kernel (any ``scaled_dot_product`` / flash / efficient op)."""
     target, _, _ = unwrap_rng(node)
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return False
     name = target._schema.name
     return ("scaled_dot_product" in name or "flash_attention" in name or "efficient_attention" in name) and (

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from sptransform.torch_internals import OpOverload
+
 aten = torch.ops.aten
 
 
@@ -67,7 +69,7 @@ def describe(node: fx.Node) -> str:
     """``aten.view.default (node view) at model.py, line 42: code`` for error messages: the
     innermost frame of the user's code (not torch's) that made the op."""
     target = getattr(node.target, "__name__", str(node.target))
-    if isinstance(node.target, torch._ops.OpOverload):
+    if isinstance(node.target, OpOverload):
         target = f"aten.{node.target._opname}.{node.target._overloadname}"
     lines = [ln.strip() for ln in (node.meta.get("stack_trace") or "").strip().splitlines() if ln.strip()]
     frames = [(lines[i][5:], lines[i + 1] if i + 1 < len(lines) else "") for i in range(len(lines)) if lines[i].startswith("File ")]
@@ -191,7 +193,7 @@ _NO_OUTPUT = {aten._assert_tensor_metadata}
 
 def packet(node: fx.Node):
     target = node.target
-    return target.overloadpacket if isinstance(target, torch._ops.OpOverload) else target
+    return target.overloadpacket if isinstance(target, OpOverload) else target
 
 
 def _norm_dim(d: int, ndim: int) -> int:

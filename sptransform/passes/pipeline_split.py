@@ -40,6 +40,8 @@ from sptransform.graph.analysis import ModelAnalysis
 from sptransform.capture import CapturedGraph
 from sptransform.runtime.ops import independent_dropout, reference_dropout
 
+from sptransform.torch_internals import OpOverload
+
 aten = torch.ops.aten
 
 _RANDOM_PACKETS = {aten.dropout, aten.native_dropout, aten.feature_dropout, aten.alpha_dropout, aten.bernoulli,
@@ -345,7 +347,7 @@ def _is_random(node: fx.Node) -> bool:
     target = node.target
     if target in (independent_dropout, reference_dropout):
         return True
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         return target.overloadpacket in _RANDOM_PACKETS or torch.Tag.nondeterministic_seeded in target.tags
     return False
 

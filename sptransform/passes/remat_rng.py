@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from sptransform.graph.nodes import is_collective, val
-from sptransform.torch_internals import detect_fake_mode
+from sptransform.torch_internals import OpOverload, detect_fake_mode
 
 aten = torch.ops.aten
 
@@ -177,4 +177,4 @@ def compact_bernoulli_masks(joint: fx.GraphModule) -> int:
 
 def packet_of(node: fx.Node):
     target = node.target
-    return target.overloadpacket if isinstance(target, torch._ops.OpOverload) else None
+    return target.overloadpacket if isinstance(target, OpOverload) else None
