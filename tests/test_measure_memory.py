@@ -11,7 +11,8 @@ import torch
 
 from examples.nanogpt import GPT, Block, GPTConfig
 from sptransform.cli import memory as memory_cli
-from sptransform.measure import REGIONS, measure_shape, partition_module
+from sptransform.graph.regions import REGIONS
+from sptransform.measure import measure_shape, partition_module
 from sptransform.measure.memory import paper_layer_bytes
 from sptransform.measure.models import fake_copy
 from sptransform.passes.remat import RematOptions
