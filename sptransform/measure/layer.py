@@ -20,7 +20,7 @@ from sptransform.planner.presets import ModelShape
 from sptransform.measure.flops import FlopsReport
 from sptransform.measure.memory import MemoryReport, element_size, paper_layer_bytes
 from sptransform.measure.models import ShapeModel, fake_model
-from sptransform.measure.parallel import rank_graph
+from sptransform.measure.parallel import fake_process_group, rank_graph
 from sptransform.measure.partitioned import Partitioned, partition_module
 
 
@@ -77,8 +77,9 @@ def measure_shape(
         with torch.device("meta"):
             model = ShapeModel(shape, seq=seq, num_layers=num_layers).to(dtype)
         idx = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-        graph = rank_graph(model, (idx, idx), tp=tp, sp=sp)
-        partitioned = partition_module(graph.gm, graph.inputs, options=options, state_inputs=graph.state_inputs)
+        with fake_process_group(tp):
+            graph = rank_graph(model, (idx, idx), tp=tp, sp=sp)
+            partitioned = partition_module(graph.gm, graph.inputs, options=options, state_inputs=graph.state_inputs)
     return Measurement(
         shape=shape, seq=seq, batch=batch, dtype=dtype, tp=tp, sp=sp, options=options,
         memory=partitioned.memory(), flops=partitioned.flops(), partitioned=partitioned,

@@ -1,6 +1,6 @@
 """One rank's forward graph of a tensor-(and sequence-)parallel model, built without hardware.
 
-``rank_graph(model, args, tp=8, sp=True)`` joins a fake process group of ``tp``
+``rank_graph(model, args, tp=8, sp=True)``, inside ``fake_process_group(tp)``, joins a fake process group of ``tp``
 ranks (this process is rank 0; nothing is sent), runs sptransform's parallel
 pipeline (``transform.build_parallel_graph``: capture, analyse, tensor-parallel,
 sequence-parallel, dropout) on a fake copy of ``model``, and returns rank 0's
@@ -11,6 +11,7 @@ measures it like any other graph.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -37,8 +38,22 @@ class RankGraph:
     notes: list[str]
 
 
+@contextlib.contextmanager
+def fake_process_group(world: int):
+    """A fake process group of ``world`` ranks for the body (this process is rank 0; nothing is
+    sent), destroyed on exit when this call made it: measuring leaves no group behind."""
+    made = not (dist.is_initialized() and dist.get_backend() == "fake" and dist.get_world_size() == world)
+    group = join_fake_group(world)
+    try:
+        yield group
+    finally:
+        if made and dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def join_fake_group(world: int) -> str:
-    """Initialize (or reuse) a fake process group of ``world`` ranks; returns the TP mesh's group name."""
+    """Initialize (or reuse) a fake process group of ``world`` ranks; returns the TP mesh's group name.
+    Prefer ``fake_process_group``, which removes it afterwards."""
     if dist.is_initialized():
         if dist.get_world_size() != world:
             if dist.get_backend() != "fake":

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from sptransform.measure import measure_shape, partition_module
 from sptransform.measure.flops import node_cost, recomputed_nodes
-from sptransform.measure.parallel import join_fake_group
+from sptransform.measure.parallel import fake_process_group
 from sptransform.graph.nodes import is_collective
 from sptransform.passes.remat import POLICIES, RematOptions, analysis_cost
 from sptransform.planner.presets import PRESETS
@@ -151,15 +150,14 @@ class _SequenceParallelMLP(nn.Module):
         return (x + z).sum()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def sp_mlp():
-    group = join_fake_group(4)
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from sptransform.torch_internals import FakeTensorMode
 
-    with FakeTensorMode():
-        module, x = _SequenceParallelMLP(64, group), torch.empty(32, 64, requires_grad=True)
-    yield module, x
-    dist.destroy_process_group()
+    with fake_process_group(4) as group:
+        with FakeTensorMode():
+            module, x = _SequenceParallelMLP(64, group), torch.empty(32, 64, requires_grad=True)
+        yield module, x
 
 
 def _forward_collectives(backward) -> list:

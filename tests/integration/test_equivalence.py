@@ -39,6 +39,7 @@ def tiny_configs(draw):
     return config, tp, sp, seq, batch
 
 
+@pytest.mark.slow
 @settings(derandomize=True, max_examples=14, deadline=None)
 @given(case=tiny_configs())
 def test_parallel_training_matches_single_device_for_any_config(case):

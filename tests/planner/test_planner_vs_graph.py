@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sptransform.measure.layer import measure_shape
-from sptransform.measure.parallel import rank_graph
+from sptransform.measure.parallel import fake_process_group, rank_graph
 from sptransform.measure.partitioned import partition_module
 from sptransform.passes.remat import RematOptions
 from sptransform.planner.activations import activation_bytes_per_layer
@@ -87,11 +87,12 @@ def test_planner_matches_hf_llama_traced_tensor_and_sequence_parallel():
         model = _LossOnly(transformers.LlamaForCausalLM(config)).to(torch.bfloat16)
     seq = 256
     tokens = torch.zeros(1, seq, dtype=torch.long, device="meta")
-    graph = rank_graph(model, (tokens, tokens), tp=2, sp=True)
     shape = shape_from_hf_dict({**config.to_dict(), "_attn_implementation": "sdpa"})
-    for policy in POLICIES:
-        memory = partition_module(graph.gm, graph.inputs, options=_options(policy),
-                                  state_inputs=graph.state_inputs).memory()
+    with fake_process_group(2):
+        graph = rank_graph(model, (tokens, tokens), tp=2, sp=True)
+        memories = {policy: partition_module(graph.gm, graph.inputs, options=_options(policy),
+                                             state_inputs=graph.state_inputs).memory() for policy in POLICIES}
+    for policy, memory in memories.items():
         assert memory.num_layers == 2
         measured = sum(memory.per_layer().values())
         assert _planned(shape, tp=2, sp=True, policy=policy, seq=seq) == pytest.approx(measured, rel=1e-6), policy

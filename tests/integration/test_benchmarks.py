@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["--layers", "1", "--hidden", "64", "--heads", "4", "--vocab", "512", "--seq", "32", "--batch", "2",
         "--steps", "2", "--warmup", "1"]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -31,6 +32,7 @@ def _loss_and_grads(model: GPT, options: RematOptions, idx: torch.Tensor, seed: 
     return loss.detach(), {name: q.grad for name, q in model.named_parameters()}
 
 
+@pytest.mark.slow
 @settings(derandomize=True, max_examples=5, deadline=None)
 @given(
     layers=st.integers(1, 2),
