@@ -33,6 +33,7 @@ from sptransform.capture import CapturedGraph
 from sptransform.torch_internals import pytree
 from sptransform.graph.sharding import (
     DimShard,
+    NoRuleError,
     ShardingError,
     describe,
     input_specs_for_output,
@@ -325,12 +326,12 @@ def analyze(captured: CapturedGraph, tp: int) -> ModelAnalysis:
     linears = find_linears(captured)
     derived = set(_forward_closure(list(linears)))
     regions: list[Region] = []
-    failures: dict[fx.Node, str] = {}
+    failures: dict[fx.Node, ShardingError] = {}
     for node, lm in linears.items():
         try:
             structure = trace_region(graph, lm, linears, derived, 1)
         except ShardingError as err:
-            failures[node] = str(err)
+            failures[node] = err
             continue
         try:
             regions.append(trace_region(graph, lm, linears, derived, tp))
@@ -347,7 +348,7 @@ def analyze(captured: CapturedGraph, tp: int) -> ModelAnalysis:
     unrecognized = [lm for lm in leftovers if lm is not head]
     if unrecognized:
         # Prefer a linear whose walk failed on an op over one that merely hit a norm.
-        lm = min(unrecognized, key=lambda m: "no sharding rule" not in failures.get(m.node, ""))
+        lm = min(unrecognized, key=lambda m: not isinstance(failures.get(m.node), NoRuleError))
         raise ShardingError(
             f"the linear {describe(lm.node)} (parameter {lm.weight_name!r}) was not recognized as "
             f"column- or row-parallel: as a row-parallel linear, {failures.get(lm.node, 'n/a')}"

@@ -21,8 +21,60 @@ MATMUL_OPS = frozenset({aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.matmul
 # Ops that return (an alias of) their input without an alias annotation in the
 # schema: ``_unsafe_view`` is how ``reshape`` aliases a fresh clone, and a
 # collective's ``wait_tensor`` hands back the tensor the collective wrote.
-_UNANNOTATED_ALIASES = frozenset({"aten::_unsafe_view", "_c10d_functional::wait_tensor"})
+_UNANNOTATED_ALIASES = frozenset({aten._unsafe_view.default, torch.ops._c10d_functional.wait_tensor.default})
 _COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd", "c10d_functional"})
+ALL_GATHERS = frozenset({
+    torch.ops._c10d_functional.all_gather_into_tensor.default,
+    torch.ops._c10d_functional_autograd.all_gather_into_tensor.default,
+})
+# Fused softmax-attention kernels (forward only), by overload packet.
+_FUSED_ATTENTION = frozenset({
+    aten.scaled_dot_product_attention,
+    aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_flash_attention_for_cpu,
+    aten._scaled_dot_product_efficient_attention,
+    aten._scaled_dot_product_cudnn_attention,
+    aten._scaled_dot_product_fused_attention_overrideable,
+    aten._flash_attention_forward,
+    aten._flash_attention_forward_no_dropout_inplace,
+    aten._efficient_attention_forward,
+    aten._scaled_dot_product_attention_math,
+    aten._scaled_dot_product_attention_math_for_mps,
+})
+
+JOINT_ID = "sptransform_joint_id"
+"""``node.meta`` key: a node's position in the joint forward+backward graph it was partitioned
+from. torch's extraction of the forward and backward graphs copies ``meta``, so the forward
+node and the backward placeholder of one saved value carry the same id: identity by
+provenance, never by ``node.name``."""
+TANGENT = "sptransform_tangent"
+"""``node.meta`` key set on the joint graph's tangent placeholders (and so on the backward
+graph's, which share their ``meta``)."""
+
+
+def number_joint_nodes(joint: fx.Graph, joint_inputs=None) -> None:
+    """Give every node of ``joint`` its ``JOINT_ID`` and mark its tangent inputs (``TANGENT``).
+
+    AOTAutograd calls a partition with ``joint_inputs = (primals, tangents)`` and the joint
+    graph's placeholders in that order, so the tangents are the last ``len(tangents)``."""
+    placeholders = list(joint.find_nodes(op="placeholder"))
+    if joint_inputs is not None and len(joint_inputs) == 2 and all(isinstance(x, (list, tuple)) for x in joint_inputs):
+        primals, tangents = joint_inputs
+        if len(primals) + len(tangents) != len(placeholders):
+            raise AssertionError(f"joint graph has {len(placeholders)} inputs, AOTAutograd passed "
+                                 f"{len(primals)} primals and {len(tangents)} tangents")
+        for node in placeholders[len(primals):]:
+            node.meta[TANGENT] = True
+    for index, node in enumerate(joint.nodes):
+        node.meta[JOINT_ID] = index
+
+
+def joint_id(node: fx.Node) -> int | None:
+    return node.meta.get(JOINT_ID)
+
+
+def is_tangent(node: fx.Node) -> bool:
+    return node.op == "placeholder" and bool(node.meta.get(TANGENT))
 
 
 def val(node) -> object:
@@ -42,7 +94,7 @@ def packet(node: fx.Node):
 def _returns_alias(target) -> bool:
     if not isinstance(target, OpOverload):
         return False
-    if target._schema.name in _UNANNOTATED_ALIASES:
+    if target in _UNANNOTATED_ALIASES:
         return True
     return any(r.alias_info is not None and not r.alias_info.is_write for r in target._schema.returns)
 
@@ -117,14 +169,9 @@ def is_matmul(node: fx.Node) -> bool:
 
 
 def is_fused_attention(node: fx.Node) -> bool:
-    """A fused softmax-attention kernel (any ``scaled_dot_product`` / flash / efficient op)."""
+    """A fused softmax-attention kernel (SDPA or one of the flash / efficient / cuDNN kernels)."""
     target, _, _ = unwrap_rng(node)
-    if not isinstance(target, OpOverload):
-        return False
-    name = target._schema.name
-    return ("scaled_dot_product" in name or "flash_attention" in name or "efficient_attention" in name) and (
-        "backward" not in name
-    )
+    return isinstance(target, OpOverload) and target.overloadpacket in _FUSED_ATTENTION
 
 
 def is_multi_output(node: fx.Node) -> bool:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from sptransform.graph.nodes import packet
+
 from sptransform.torch_internals import OpOverload
 
 aten = torch.ops.aten
@@ -52,6 +54,10 @@ class DimShard:
 
 class ShardingError(ValueError):
     """An op in a region cannot run on the local shard; names the op and source line."""
+
+
+class NoRuleError(ShardingError):
+    """The op has no sharding rule at all (as opposed to a rule that forbids this split)."""
 
 
 def whole(dim: int, size: int) -> DimShard:
@@ -189,11 +195,6 @@ _POINTWISE = {
 _REDUCTIONS = {aten.sum, aten.mean, aten.amax, aten.amin, aten.var, aten.std, aten.var_mean}
 _VIEWS = {aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten}
 _NO_OUTPUT = {aten._assert_tensor_metadata}
-
-
-def packet(node: fx.Node):
-    target = node.target
-    return target.overloadpacket if isinstance(target, OpOverload) else target
 
 
 def _norm_dim(d: int, ndim: int) -> int:
@@ -406,7 +407,7 @@ def input_specs_for_output(node: fx.Node, spec: DimShard, tp: int) -> list[tuple
     try:
         links, forbidden = dim_links(node)
     except KeyError:
-        raise ShardingError(f"{describe(node)} cannot run on a split input (no sharding rule for it)") from None
+        raise NoRuleError(f"{describe(node)} cannot run on a split input (no sharding rule for it)") from None
     if spec.dim in forbidden:
         raise ShardingError(f"{describe(node)} reduces, normalizes or contracts dim {spec.dim}, which is split")
     result: list[tuple[fx.Node, DimShard | None]] = []
@@ -440,7 +441,7 @@ def output_spec_for_inputs(
     try:
         links, forbidden = dim_links(node)
     except KeyError:
-        raise ShardingError(f"{describe(node)} cannot run on a split input (no sharding rule for it)") from None
+        raise NoRuleError(f"{describe(node)} cannot run on a split input (no sharding rule for it)") from None
     out_spec: DimShard | None = None
     for arg, mapping in links:
         s = in_specs.get(arg)

@@ -30,7 +30,8 @@ from sptransform.planner.presets import ModelShape
 
 from sptransform.graph.regions import REGIONS, classify_regions
 from sptransform.torch_internals import run_and_save_rng_state
-from sptransform.graph.nodes import is_multi_output, is_view, storage_nbytes, storage_root, tensor_val
+from sptransform.graph.nodes import is_multi_output, is_view, joint_id, storage_nbytes, storage_root, tensor_val
+from sptransform.passes.remat_rng import generator_state
 
 RNG_STATE_REGION = "dropout_masks"
 """A replayed dropout saves its RNG state instead of its mask; it is counted with the masks."""
@@ -130,7 +131,7 @@ def memory_report(
         saved.append(SavedTensor(node.name, tuple(value.shape), str(value.dtype).replace("torch.", ""),
                                  storage_nbytes(root), region, layer,
                                  before_layers=layer is None and _before(root, order, first_layer_input)))
-    fw_roots = {n.name: storage_root(n) for n in saved_nodes(fw, num_fwd_outputs)}
+    fw_roots = {joint_id(n): storage_root(n) for n in saved_nodes(fw, num_fwd_outputs) if joint_id(n) is not None}
     peak, grads = backward_peak(bw, fw_roots=fw_roots, state=state, num_primals=len(placeholders),
                                 state_indices=set(state_indices))
     return MemoryReport(saved=saved, num_layers=regions.num_layers, peak_backward=peak,
@@ -147,7 +148,7 @@ def _before(root: fx.Node, order: dict[fx.Node, int], first_layer_input: int) ->
 
 def _is_rng_state(node: fx.Node) -> bool:
     """A generator state the forward saves so the backward can replay a dropout."""
-    if node.op == "call_function" and node.target.__name__ == "generator_state":
+    if node.op == "call_function" and node.target is generator_state:
         return True
     parent = node.args[0] if node.target is operator.getitem else None
     return isinstance(parent, fx.Node) and parent.target is run_and_save_rng_state
@@ -171,7 +172,7 @@ def backward_peak(bw: fx.GraphModule, *, fw_roots: dict, state: set, num_primals
 
     def key(node):
         root = storage_root(node)
-        return fw_roots.get(root.name, root) if root.op == "placeholder" else root
+        return fw_roots.get(joint_id(root), root) if root.op == "placeholder" else root
 
     last_use: dict = {}
     for i, n in enumerate(nodes):

@@ -28,6 +28,7 @@ from sptransform.passes.remat import (
     tag_forward,
 )
 
+from sptransform.graph.nodes import number_joint_nodes
 from sptransform.measure.flops import FlopsReport, flops_report
 from sptransform.torch_internals import default_partition, functorch_config, min_cut_rematerialization_partition
 from sptransform.transform import aot_compile, state_count
@@ -151,6 +152,7 @@ def _torch_partition(name: str, budget: float | None) -> Callable:
     partitioner = TORCH_PARTITIONERS[name]
 
     def partition(joint, joint_inputs, *, num_fwd_outputs, **kwargs):
+        number_joint_nodes(joint.graph, joint_inputs)  # so the report can pair forward and backward copies
         tag_forward(joint, num_fwd_outputs=num_fwd_outputs)
         if budget is None:
             return partitioner(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)

@@ -68,6 +68,10 @@ from sptransform.graph.regions import GraphRegions, classify_regions
 from sptransform.torch_internals import detect_fake_mode, run_with_rng_state
 from sptransform.torch_internals import partitioners as torch_partitioners
 from sptransform.graph.nodes import (
+    ALL_GATHERS,
+    is_tangent,
+    number_joint_nodes,
+    packet,
     is_collective,
     is_multi_output,
     is_random,
@@ -86,7 +90,6 @@ from sptransform.passes.remat_rng import (  # noqa: F401  (re-exported: graphs a
     _keeps_when_dead,
     isolate_dropout_masks,
     compact_bernoulli_masks,
-    packet_of,
 )
 
 log = logging.getLogger(__name__)
@@ -129,9 +132,9 @@ def analyze_joint(
     """Classify the joint graph's nodes. ``state_indices``: which primals are parameters or buffers."""
     info = torch_partitioners.classify_nodes(joint, list(state_indices), num_fwd_outputs)
     backward = set(info.tangents_closure)
-    primals = [n for n in joint.graph.nodes if n.op == "placeholder" and not _is_tangent(n)]
+    primals = [n for n in joint.graph.nodes if n.op == "placeholder" and not is_tangent(n)]
     state = {p for i, p in enumerate(primals) if i in set(state_indices)}
-    forward = [n for n in joint.graph.nodes if n.op != "output" and n not in backward and not _is_tangent(n)]
+    forward = [n for n in joint.graph.nodes if n.op != "output" and n not in backward and not is_tangent(n)]
     outputs = next(iter(joint.graph.find_nodes(op="output"))).args[0]
     bwd_outputs = {o for o in outputs[num_fwd_outputs:] if isinstance(o, fx.Node)}
     forward_set = set(forward)
@@ -168,10 +171,6 @@ def analyze_joint(
         free=free,
         unsaveable=unsaveable,
     )
-
-
-def _is_tangent(node: fx.Node) -> bool:
-    return node.op == "placeholder" and "tangents" in str(node.target)
 
 
 @dataclass
@@ -280,14 +279,14 @@ def _sequence_gathers(analysis: JointAnalysis) -> set[fx.Node]:
     found: set[fx.Node] = set()
     matmuls = analysis.regions.weight_matmuls
     for n in analysis.forward:
-        if not (is_collective(n) and "all_gather" in n.target._schema.name):
+        if n.target not in ALL_GATHERS:
             continue
         chain, frontier, feeds_matmul = {n}, [n], False
         while frontier:
             for user in frontier.pop().users:
                 if user in matmuls:
                     feeds_matmul = True
-                elif user not in chain and (is_view(user) or is_collective(user) or packet_of(user) in _MOVES_DATA):
+                elif user not in chain and (is_view(user) or is_collective(user) or packet(user) in _MOVES_DATA):
                     chain.add(user)
                     frontier.append(user)
         if feeds_matmul:
@@ -644,6 +643,7 @@ def remat_partition(
     def partition(joint_module: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
         indices = state_indices if state_indices is not None else kwargs.get("static_lifetime_input_indices") or []
         joint_module.graph.eliminate_dead_code(is_impure_node=_keeps_when_dead)
+        number_joint_nodes(joint_module.graph, joint_inputs)
         if options.replay_rng:
             isolate_dropout_masks(joint_module)
         compact_bernoulli_masks(joint_module)

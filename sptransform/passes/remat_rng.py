@@ -14,8 +14,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from sptransform.graph.nodes import is_collective, val
-from sptransform.torch_internals import OpOverload, detect_fake_mode
+from sptransform.graph.nodes import is_collective, is_tangent, joint_id, packet, val
+from sptransform.torch_internals import detect_fake_mode
 
 aten = torch.ops.aten
 
@@ -42,14 +42,16 @@ def replay_own_generators(fw: fx.GraphModule, bw: fx.GraphModule, replayed: list
         after:   fw: s = generator_state(g); m = bernoulli(e, p, generator=g)
                  bw: m = run_with_generator_state(s, bernoulli, e, p, generator=g)
 
-    Edits ``fw`` and ``bw`` in place (the state joins the saved outputs, before symints)."""
-    fw_nodes = {n.name: n for n in fw.graph.nodes}
-    bw_nodes = {n.name: n for n in bw.graph.nodes}
+    Edits ``fw`` and ``bw`` in place (the state joins the saved outputs, before symints). The
+    joint graph's nodes must carry ``JOINT_ID`` (``number_joint_nodes``): a node's forward and
+    backward copies are found by it."""
+    fw_nodes = {joint_id(n): n for n in fw.graph.nodes if joint_id(n) is not None}
+    bw_nodes = {joint_id(n): n for n in bw.graph.nodes if joint_id(n) is not None}
     placeholders = list(bw.graph.find_nodes(op="placeholder"))
-    first_tangent = next((n for n in placeholders if "tangent" in n.name), None)
+    first_tangent = next((n for n in placeholders if is_tangent(n)), None)
     states = []
     for i, node in enumerate(replayed):
-        forward, backward = fw_nodes.get(node.name), bw_nodes.get(node.name)
+        forward, backward = fw_nodes.get(joint_id(node)), bw_nodes.get(joint_id(node))
         if forward is None or backward is None:
             continue
         fake = _fake_generator_state(forward)
@@ -150,7 +152,7 @@ def compact_bernoulli_masks(joint: fx.GraphModule) -> int:
     graph, count = joint.graph, 0
     for node in list(graph.nodes):
         value = val(node)
-        if packet_of(node) is not aten.bernoulli or not isinstance(value, torch.Tensor) or value.dtype is torch.bool:
+        if packet(node) is not aten.bernoulli or not isinstance(value, torch.Tensor) or value.dtype is torch.bool:
             continue
         users = list(node.users)
         if node.target is aten.bernoulli.p and isinstance(node.args[0], fx.Node):
@@ -173,8 +175,3 @@ def compact_bernoulli_masks(joint: fx.GraphModule) -> int:
     if count:
         joint.recompile()
     return count
-
-
-def packet_of(node: fx.Node):
-    target = node.target
-    return target.overloadpacket if isinstance(target, OpOverload) else None
