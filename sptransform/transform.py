@@ -3,16 +3,19 @@
 Every path (``parallelize``'s module, its pipeline stages, ``sptransform memory``, the
 ``sptransform`` torch.compile backend) runs the passes listed here, in this order:
 
-    capture                      capture.capture               torch.export, fake parameters
-    analyse                      graph.analysis.analyze        linears, regions, head, loss
-    tensor-parallel              passes.tensor_parallel        split linears, heads, vocabulary
-    sequence-parallel | f / f̄    passes.sequence_parallel      g / ḡ (or f / f̄ with sp=False)
-    dropout                      passes.dropout                rank-aware masks
-    gradient buckets             passes.grad_sync              one all-reduce per layer
-    [pipeline split]             pipeline.plan                 pp > 1: stages at layer boundaries
-    [remat partition, compile]   passes.remat + aot_compile    recompute != "none": AOTAutograd
+    capture                      capture.capture                torch.export, fake parameters
+    canonicalize                 passes.canonicalize            dead code out, row biases split off
+    analyse                      graph.analysis                 linears, regions, head, loss -> seeds
+    propagate placements         graph.propagate                every node: replicated / split / partial
+    gradient reductions          graph.gradients                where gradients arrive partial
+    tensor + sequence parallel   passes.tensor_parallel         local shapes, collectives, f, buckets
+    dropout                      passes.dropout                 rank-aware masks
+    [pipeline split]             pipeline.plan                  pp > 1: stages at layer boundaries
+    [remat partition, compile]   passes.remat + aot_compile     recompute != "none": AOTAutograd
 
-``build_parallel_graph`` runs the first six; ``plan_pipeline`` the split; ``aot_compile`` is
+Sequence parallelism is not a pass of its own: it is how the propagation reduces the partial
+sums leaving a block (a reduce-scatter to the sequence split instead of an all-reduce).
+``build_parallel_graph`` runs everything up to dropout; ``plan_pipeline`` the split; ``aot_compile`` is
 the only call of AOTAutograd in sptransform (the parallel module, each pipeline stage, the
 measurement drivers and the backend go through it). At DEBUG level (logger
 ``sptransform.transform``) each pass logs the graph's node counts by op before and after.
@@ -30,14 +33,15 @@ import torch
 import torch.fx as fx
 
 from sptransform.capture import FakeTemplate, capture
-from sptransform.graph.analysis import analyze
-from sptransform.graph.plan import ParallelGraph
+from sptransform.graph.analysis import analyze, constant_nodes, parameter_placements
+from sptransform.graph.gradients import gradient_plan
+from sptransform.graph.plan import ParallelGraph, ParallelPlan
+from sptransform.graph.propagate import SequenceSplit, propagate
 from sptransform.options import ParallelOptions, PipelineOptions, RematOptions
+from sptransform.passes.canonicalize import remove_dead_code, repeat_grouped_kv, split_bias
 from sptransform.passes.dropout import shard_dropout
-from sptransform.passes.grad_sync import bucket_replicated_grads
 from sptransform.passes.remat import remat_partition
-from sptransform.passes.sequence_parallel import sequence_parallel
-from sptransform.passes.tensor_parallel import insert_tp_collectives, shard_linears
+from sptransform.passes.tensor_parallel import add_rank_input, apply_placements
 from sptransform.pipeline.plan import PipelinePlan
 from sptransform.pipeline.plan import plan_pipeline as _plan_pipeline
 from sptransform.runtime.collectives import _resolve
@@ -66,26 +70,51 @@ def _logged(name: str, gm: fx.GraphModule, run: Callable[[], object]):
 def build_parallel_graph(
     template: FakeTemplate, args: tuple, kwargs: dict, options: ParallelOptions, group: str | None, generators: int
 ) -> ParallelGraph:
-    """capture -> analyse -> tensor-parallel -> sequence-parallel (or f/f̄) -> dropout -> grad buckets."""
+    """The pass list, top to bottom (see the module docstring)."""
     with maybe_disable_local_tensor_mode():  # tracing sees one rank, never simulated ones
         captured = capture(template, args, kwargs)
     log.debug("capture: %d nodes", len(captured.gm.graph.nodes))
     if options.tp == 1:
         return ParallelGraph(captured, None, None)  # nothing to split: the captured graph runs as is
-    analysis = analyze(captured, options.tp)
-    gm = captured.gm
+    gm, tp = captured.gm, options.tp
+    _logged("remove_dead_code", gm, lambda: remove_dead_code(gm))
+    _logged("repeat_grouped_kv", gm, lambda: repeat_grouped_kv(gm, tp=tp))
+    analysis = analyze(captured, tp)
+    if options.sp and analysis.seq_len is None:
+        raise ValueError("sp=True needs an attention to find the sequence dim; none was found: pass sp=False")
+    if options.sp and analysis.seq_len % tp:
+        raise ValueError(
+            f"sequence length {analysis.seq_len} is not divisible by tp={tp}; sequence parallelism splits "
+            f"the sequence evenly: use a length that is a multiple of {tp}, or sp=False"
+        )
+    placements = parameter_placements(analysis, tp)
+    _logged("split_bias", gm, lambda: [split_bias(gm, region.row.node) for region in analysis.regions])
     # A real rank's graph may be specialized on its rank; one serving simulated ranks may not.
     static_rank = None if local_tensor_mode() is not None else _resolve(group).rank()
-    plan = _logged("tensor_parallel", gm, lambda: shard_linears(
-        gm, analysis, tp=options.tp, sp=options.sp, group=group, static_rank=static_rank))
-    if options.sp:
-        if analysis.seq_len is None:
-            raise ValueError("sp=True needs an attention to find the sequence dim; none was found: pass sp=False")
-        _logged("sequence_parallel", gm, lambda: sequence_parallel(gm, plan, seq_len=analysis.seq_len))
-    else:
-        _logged("tp_collectives", gm, lambda: insert_tp_collectives(gm, plan))
+    plan = ParallelPlan(tp=tp, sp=options.sp, group=group, rank=add_rank_input(gm), static_rank=static_rank,
+                        placements=placements, seq_len=analysis.seq_len if options.sp else None)
+    if analysis.head is not None:
+        plan.vocab = analysis.head.out_features
+        plan.vocab_per_rank = -(-plan.vocab // tp)
+    plan.notes.extend(analysis.notes)
+    state = dict(zip(captured.state_placeholders, captured.state_names))
+    params = {node: name for node, name in state.items() if name in captured.param_names}
+    seeds, cut_seeds = {}, {}
+    for node, name in params.items():
+        placement = placements.get(name)
+        if placement is not None and placement.spec is not None:
+            (cut_seeds if placement.stored_whole else seeds)[node] = placement.spec
+    constant = constant_nodes(gm, set(state))
+    sequence = SequenceSplit(analysis.seq_len) if options.sp else None
+    propagation = propagate(gm, seeds, tp=tp, constant=constant, sequence=sequence, cut_seeds=cut_seeds)
+    inputs = {n for n in captured.user_placeholders if isinstance(n.meta.get("val"), torch.Tensor)
+              and n.meta["val"].is_floating_point()}
+    gradients = gradient_plan(gm, propagation, params=set(params), constant=constant, inputs=inputs)
+    plan.notes.extend(f"{n.name} runs whole on every rank: no rule splits it" for n in propagation.gathered_ops())
+    layer_rows = [(r.row.node, r.layer) for r in analysis.regions]
+    _logged("tensor_parallel", gm, lambda: apply_placements(gm, propagation, gradients, plan, params=params,
+                                                           layer_rows=layer_rows))
     _logged("dropout", gm, lambda: shard_dropout(gm, plan, mode=options.dropout_rng, generators=generators))
-    _logged("grad_sync", gm, lambda: bucket_replicated_grads(gm, plan, [(r.row.node, r.layer) for r in analysis.regions]))
     return ParallelGraph(captured, analysis, plan)
 
 

@@ -196,12 +196,24 @@ def test_gemma_style_norm_weight_gradient_under_sp(models):
     assert sptransform.verify(model, tp=2, sp=True, example_inputs=inputs).ok
 
 
+def _drop_parameter_gradient_sums(monkeypatch):
+    """Break the transform on purpose: no parameter gradient is summed over the ranks."""
+    import sptransform.transform
+
+    real = sptransform.transform.gradient_plan
+
+    def broken(*args, **kwargs):
+        plan = real(*args, **kwargs)
+        plan.partial_params.clear()
+        return plan
+
+    monkeypatch.setattr(sptransform.transform, "gradient_plan", broken)
+
+
 def test_missing_gradient_sync_is_reported_different(models, monkeypatch):
     """A deliberately broken transform (no gradient all-reduce for replicated parameters that read
     sequence-split activations): the norm weights' gradients are each rank's share only."""
-    import sptransform.transform
-
-    monkeypatch.setattr(sptransform.transform, "bucket_replicated_grads", lambda gm, plan, rows: gm)
+    _drop_parameter_gradient_sums(monkeypatch)
     module, _ = models
     model, inputs = module.rms()
     report = sptransform.verify(model, tp=2, sp=True, example_inputs=inputs)
@@ -303,9 +315,7 @@ def test_cli_preset_equal_and_refused(capsys):
 
 
 def test_cli_different(capsys, monkeypatch):
-    import sptransform.transform
-
-    monkeypatch.setattr(sptransform.transform, "bucket_replicated_grads", lambda gm, plan, rows: gm)
+    _drop_parameter_gradient_sums(monkeypatch)
     rc, out, _ = _cli(capsys, "--model", "gpt2-tiny", "--tp", "2", "--layers", "1", "--seq", "8")
     assert rc == 1 and "verdict: DIFFERENT" in out and "FAIL" in out
 

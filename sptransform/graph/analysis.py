@@ -30,10 +30,11 @@ import torch
 import torch.fx as fx
 
 from sptransform.capture import CapturedGraph
+from sptransform.graph.placement import ParamPlacement
 from sptransform.torch_internals import pytree
 from sptransform.graph.sharding import (
+    CUT,
     DimShard,
-    NoRuleError,
     ShardingError,
     describe,
     input_specs_for_output,
@@ -102,6 +103,8 @@ class ModelAnalysis:
     dropouts: list[fx.Node] = field(default_factory=list)
     seq_len: int | None = None
     """The attention's query length (None without attention)."""
+    notes: list[str] = field(default_factory=list)
+    """What runs replicated, and why."""
 
     @property
     def num_layers(self) -> int:
@@ -244,7 +247,14 @@ def _forward_closure(starts) -> list[fx.Node]:
 def trace_region(
     graph: fx.Graph, row: LinearMatch, linears: dict[fx.Node, LinearMatch], derived: set[fx.Node], tp: int
 ) -> Region:
-    """Walk back from ``row``'s input; raise ``ShardingError`` if it is not a row-parallel linear."""
+    """Walk back from ``row``'s input asking each op how its inputs must be split; raise
+    ``ShardingError`` if no column-parallel linear is reached.
+
+    Where a required split cannot be carried further back (a reshape that would split fewer
+    K/V heads than tp, a norm over the split features, a parameter used per head), the walk
+    stops there and records a cut: that tensor is computed whole and the placement
+    propagation cuts it to the split its readers need. The region keeps the linears it did
+    reach; the ones behind a cut run replicated."""
     x = row.input
     order = list(graph.nodes)
     position = {n: i for i, n in enumerate(order)}
@@ -254,59 +264,81 @@ def trace_region(
     columns: dict[fx.Node, DimShard] = {}
     cuts: list[tuple[fx.Node, DimShard]] = []
 
-    def require(node: fx.Node, spec: DimShard) -> None:
+    def check(node: fx.Node, spec: DimShard) -> None:
         for _, length in spec.segments:
             if length % tp:
                 raise ShardingError(f"{describe(node)}: a span of {length} along dim {spec.dim} cannot be split over tp={tp}")
         if node in pending and pending[node] != spec:
             raise ShardingError(f"{describe(node)} is needed split in two different ways")
-        pending[node] = spec
 
-    require(x, whole(len(shape_of(x)) - 1, shape_of(x)[-1]))
+    start = whole(len(shape_of(x)) - 1, shape_of(x)[-1])
+    check(x, start)
+    pending[x] = start
     for node in reversed(order[: position[x] + 1]):
         if is_split(node) and node in chunk_pending:
-            spec = split_input_spec(node, chunk_pending.pop(node))
+            try:
+                spec = split_input_spec(node, chunk_pending.pop(node))
+                if spec is not None:
+                    check(node.args[0], spec)
+            except ShardingError:
+                cuts.append((node, None))
+                continue
             specs[node] = spec
             if spec is not None:
-                require(node.args[0], spec)
+                pending[node.args[0]] = spec
             continue
         if node not in pending:
             continue
         spec = pending.pop(node)
         if node in linears and node is not row.node:
-            if spec.dim != len(shape_of(node)) - 1:
-                raise ShardingError(f"{describe(node)}: needed split along a token dim, not its features")
-            columns[node] = spec
-            specs[node] = spec
+            if spec.dim == len(shape_of(node)) - 1:
+                columns[node] = spec
+                specs[node] = spec
+            else:
+                cuts.append((node, spec))  # needed split along a token dim: computed whole, cut
             continue
         if node not in derived:
-            if node.op == "placeholder" and _is_param(node):
-                raise ShardingError(f"parameter {node.name} would have to be split along dim {spec.dim}")
             cuts.append((node, spec))
             continue
-        specs[node] = spec
         if is_getitem(node):
-            if not is_split(node.args[0]):
-                raise ShardingError(f"{describe(node.args[0])} cannot run on a split input")
-            chunk_pending[node.args[0]][node.args[1]] = spec
+            if is_split(node.args[0]):
+                chunk_pending[node.args[0]][node.args[1]] = spec
+                specs[node] = spec
+            else:
+                cuts.append((node, spec))
             continue
-        for arg, arg_spec in input_specs_for_output(node, spec, tp):
-            if arg_spec is not None:
-                require(arg, arg_spec)
+        try:
+            wanted = input_specs_for_output(node, spec, tp)
+        except ShardingError:
+            cuts.append((node, spec))  # the op cannot produce this split: computed whole, cut
+            continue
+        specs[node] = spec
+        for arg, arg_spec in wanted:
+            if arg_spec is None:
+                continue
+            if arg_spec is CUT:
+                cuts.append((arg, None))  # e.g. fewer K/V heads than tp: those run whole, cut later
+                continue
+            try:
+                check(arg, arg_spec)
+            except ShardingError:
+                cuts.append((arg, arg_spec))
+                continue
+            pending[arg] = arg_spec
     if pending:
         raise ShardingError(f"{describe(next(iter(pending)))} could not be reached walking back")
     if not columns:
         raise ShardingError(f"{describe(row.node)}: no column-parallel linear feeds it")
+    # A split tensor that something outside the region reads whole (the statistics of a norm
+    # over the features, a residual stream) means the walk crossed a block boundary.
     inside = set(specs) | {row.node}
     for node in specs:
         for user in node.users:
             if user not in inside:
-                raise ShardingError(
-                    f"{describe(node)} is used outside the tensor-parallel region by {describe(user)}"
-                )
+                raise ShardingError(f"{describe(node)} is used outside the tensor-parallel region by {describe(user)}")
     kind = "attention" if any(
         packet(n) in (aten.scaled_dot_product_attention, aten.softmax, aten._softmax) for n in specs
-    ) else "mlp"
+    ) or any(packet(n) in (aten.scaled_dot_product_attention, aten.softmax, aten._softmax) for n, _ in cuts) else "mlp"
     return Region(
         row=row, columns=columns, specs=specs, cuts=cuts, kind=kind,
         column_linears={n: linears[n] for n in columns},
@@ -345,14 +377,17 @@ def analyze(captured: CapturedGraph, tp: int) -> ModelAnalysis:
         seen_columns |= set(r.columns)
     leftovers = [lm for n, lm in linears.items() if n not in assigned]
     head = _pick_head(leftovers)
-    unrecognized = [lm for lm in leftovers if lm is not head]
-    if unrecognized:
-        # Prefer a linear whose walk failed on an op over one that merely hit a norm.
-        lm = min(unrecognized, key=lambda m: not isinstance(failures.get(m.node), NoRuleError))
-        raise ShardingError(
-            f"the linear {describe(lm.node)} (parameter {lm.weight_name!r}) was not recognized as "
-            f"column- or row-parallel: as a row-parallel linear, {failures.get(lm.node, 'n/a')}"
-        )
+    notes = [
+        f"the linear {describe(lm.node)} (parameter {lm.weight_name!r}) runs replicated on every rank: it is "
+        f"neither column- nor row-parallel (as a row-parallel linear, {failures.get(lm.node, 'n/a')})"
+        for lm in leftovers if lm is not head
+    ]
+    for region in regions:
+        whole_ones = [n for n, spec in region.cuts if n in linears]
+        if whole_ones:
+            notes.append(f"{region.kind} block of {region.row.weight_name!r}: "
+                         f"{', '.join(linears[n].weight_name for n in whole_ones)} run replicated and are cut "
+                         f"(fewer heads than tp=" f"{tp}, or a split that cannot reach them)")
     _assign_layers(graph, regions)
     loss = find_loss(graph, head.node if head else None)
     embeddings = find_embeddings(captured)
@@ -372,6 +407,7 @@ def analyze(captured: CapturedGraph, tp: int) -> ModelAnalysis:
         vocab_embeddings=vocab_embeddings,
         norms=find_norms(graph),
         dropouts=dropouts,
+        notes=notes,
     )
 
 
@@ -463,3 +499,67 @@ def _reaches(source: fx.Node, target: fx.Node) -> bool:
             seen.add(n)
             stack.extend(n.all_input_nodes)
     return False
+
+
+def parameter_placements(analysis: ModelAnalysis, tp: int) -> dict[str, ParamPlacement]:
+    """The seeds of the placement propagation: column-parallel weights split along their output
+    features (in the segments the region walk derived), row-parallel weights along their input
+    features, the vocabulary split for the head and the embeddings tied to it or reading token
+    ids. Everything else is replicated."""
+    placements: dict[str, ParamPlacement] = {}
+
+    def place(name: str, placement: ParamPlacement) -> None:
+        old = placements.get(name)
+        if old is not None and old.spec != placement.spec:
+            raise ShardingError(
+                f"parameter {name!r} is used as {old.role} and as {placement.role}, which need "
+                f"different splits ({old.spec} vs {placement.spec}); sptransform cannot shard it"
+            )
+        placements[name] = placement
+
+    for region in analysis.regions:
+        for column, spec in region.columns.items():
+            lm = region.column_linears[column]
+            whole_storage = not _has_dtensor_placement(spec)
+            place(lm.weight_name, ParamPlacement(spec.with_dim(lm.out_dim), "column-parallel weight",
+                                                 stored_whole=whole_storage))
+            if lm.bias_name:
+                place(lm.bias_name, ParamPlacement(spec.with_dim(0), "column-parallel bias", stored_whole=whole_storage))
+        row = region.row
+        place(row.weight_name, ParamPlacement(whole(1 - row.out_dim, row.in_features), "row-parallel weight"))
+    head = analysis.head
+    if head is not None:
+        per_rank = -(-head.out_features // tp)
+        padded = per_rank if head.out_features % tp else None
+        vocab = DimShard(0, ((0, per_rank * tp),))
+        place(head.weight_name, ParamPlacement(vocab.with_dim(head.out_dim), "vocab-parallel head", padded))
+        if head.bias_name:
+            place(head.bias_name, ParamPlacement(vocab, "vocab-parallel head bias", padded))
+        for emb in analysis.vocab_embeddings:
+            place(emb.weight_name, ParamPlacement(vocab, "vocab-parallel embedding", padded))
+    return placements
+
+
+def _has_dtensor_placement(spec: DimShard) -> bool:
+    """One segment (``Shard``) or equal segments from 0 (``_StridedShard``)."""
+    if len(spec.segments) == 1:
+        return True
+    length = spec.segments[0][1]
+    return all(start == i * length and n == length for i, (start, n) in enumerate(spec.segments))
+
+
+def constant_nodes(gm: fx.GraphModule, state: set[fx.Node]) -> set[fx.Node]:
+    """Nodes computed from parameters, buffers and constants only, with no random draw."""
+    from sptransform.graph.nodes import is_random
+
+    constant: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            if node in state:
+                constant.add(node)
+        elif node.op == "get_attr":
+            constant.add(node)
+        elif node.op == "call_function" and not is_random(node):
+            if all(a in constant for a in node.all_input_nodes):  # a factory (arange, zeros) too
+                constant.add(node)
+    return constant

@@ -52,6 +52,11 @@ class DimShard:
         return self.segments == ((0, size),)
 
 
+CUT = "cut"
+"""``input_specs_for_output`` marks an input that cannot carry the split (fewer K/V heads than
+tp): it is computed whole and cut where it is read."""
+
+
 class ShardingError(ValueError):
     """An op in a region cannot run on the local shard; names the op and source line."""
 
@@ -167,6 +172,8 @@ def reshape_spec(spec: DimShard, src_shape, dst_shape, tp: int) -> DimShard | No
         if spec.dim in src_dims:
             if not dst_dims:
                 return None
+            if len(src_dims) == 1 and len(dst_dims) == 1:  # the dim itself moves: its split moves whole
+                return DimShard(dst_dims[0], spec.segments)
             pos = src_dims.index(spec.dim)
             return _move_through_group(
                 spec,
@@ -227,7 +234,7 @@ def dim_links(node: fx.Node) -> tuple[list[tuple[fx.Node, dict[int, int]]], set[
     (reduced, normalized, contracted or sliced). Raises ``KeyError`` for unknown ops."""
     p = packet(node)
     out = shape_of(node)
-    if p in _POINTWISE:
+    if p in _POINTWISE or (isinstance(node.target, OpOverload) and torch.Tag.pointwise in node.target.tags):
         forbidden = set()
         if p in (aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax):
             forbidden.add(_norm_dim(node.args[1], len(out)))
@@ -407,7 +414,7 @@ def input_specs_for_output(node: fx.Node, spec: DimShard, tp: int) -> list[tuple
     try:
         links, forbidden = dim_links(node)
     except KeyError:
-        raise NoRuleError(f"{describe(node)} cannot run on a split input (no sharding rule for it)") from None
+        return _dtensor_input_specs(node, spec)
     if spec.dim in forbidden:
         raise ShardingError(f"{describe(node)} reduces, normalizes or contracts dim {spec.dim}, which is split")
     result: list[tuple[fx.Node, DimShard | None]] = []
@@ -420,7 +427,10 @@ def input_specs_for_output(node: fx.Node, spec: DimShard, tp: int) -> list[tuple
         if size == out[spec.dim]:
             result.append((arg, DimShard(d, spec.segments)))
         elif out[spec.dim] % size == 0:
-            result.append((arg, _scaled(spec, out[spec.dim] // size, d, tp, node)))
+            try:
+                result.append((arg, _scaled(spec, out[spec.dim] // size, d, tp, node)))
+            except ShardingError:
+                result.append((arg, CUT))
         else:
             raise ShardingError(f"{describe(node)}: dim {d} of size {size} does not line up with {out[spec.dim]}")
     return result
@@ -499,3 +509,40 @@ def split_output_specs(node: fx.Node, spec: DimShard) -> list[DimShard]:
             raise ShardingError(f"{describe(node)}: a chunk boundary cuts through a split segment")
         result.append(DimShard(d, tuple(inside)))
     return result
+
+
+def _dtensor_input_specs(node: fx.Node, spec: DimShard) -> list[tuple[fx.Node, DimShard | None]]:
+    """The backward question for an op we have no rule for, answered by DTensor's strategies:
+    a strategy whose output is split like ``spec`` (one segment) and whose inputs are split or
+    replicated (no partial sums)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from sptransform.graph.dtensor_rules import dtensor_strategies, flat_input_nodes
+
+    def no_rule() -> NoRuleError:
+        return NoRuleError(f"{describe(node)} cannot run on a split input (no sharding rule for it)")
+
+    if len(spec.segments) != 1:
+        raise no_rule()
+    strategies = dtensor_strategies(node, _tp_hint(spec)) or []
+    flat = flat_input_nodes(node)
+    for strategy in strategies:
+        out = strategy.outputs[0] if strategy.outputs else None
+        if not (type(out) is Shard and out.dim == spec.dim):
+            continue
+        if not all(p is None or type(p) is Shard or isinstance(p, Replicate) for p in strategy.inputs):
+            continue
+        result = []
+        for arg, placement in zip(flat, strategy.inputs):
+            if arg is None or placement is None or isinstance(placement, Replicate):
+                result.append((arg, None) if arg is not None else None)
+                continue
+            result.append((arg, whole(placement.dim, shape_of(arg)[placement.dim])))
+        return [r for r in result if r is not None]
+    raise no_rule()
+
+
+def _tp_hint(spec: DimShard) -> int:
+    """DTensor drops strategies that split a dim smaller than the mesh; any size the split
+    could have works for finding which dims correspond, so ask for a 2-rank mesh."""
+    return 2

@@ -88,8 +88,8 @@ def rank_graph(model: nn.Module, args: tuple, *, tp: int, sp: bool) -> RankGraph
             if i < len(captured.state_names):
                 name = captured.state_names[i]
                 placement = plan.placements.get(name) if plan is not None else None
-                if placement is not None and placement.spec is not None:
-                    shape[placement.spec.dim] = -(-shape[placement.spec.dim] // tp)
+                if placement is not None and placement.storage is not None:
+                    shape[placement.storage.dim] = -(-shape[placement.storage.dim] // tp)
                 local = torch.empty(shape, dtype=value.dtype)
                 inputs.append(local.requires_grad_(name in captured.param_names))
             else:

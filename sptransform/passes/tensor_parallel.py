@@ -1,39 +1,59 @@
-"""Tensor-parallel pass: split the linears of every region found by the analysis,
-and the vocabulary of the embedding, head and loss.
+"""Tensor-parallel rewrite: make the graph run on local shards, as ``graph.propagate`` placed it.
 
-    before:  h = layer_norm(x); qkv = addmm(b, h, W_qkv); ... ; y = addmm(b_o, a, W_o)
-    after:   h = layer_norm(x); qkv = addmm(b_r, h, W_qkv_r); ...(local heads)...
-             y_partial = mm(a_r, W_o_r)                      # exit: collective + b_o later
+Each rewrite follows from a placement, not from the op's role in the model:
 
-    before:  e = embedding(W_tok, ids)          logits = linear(h, W_head); loss = cross_entropy_loss(logits, t)
-    after:   e_partial = vocab_parallel_embedding(W_tok_r, ids, rank)
-             logits_r = linear(h, W_head_r); loss = vocab_parallel_cross_entropy(logits_r, t, rank, ...)
+* a node whose output is split gets local size arguments (``view``, ``reshape``, ``expand``,
+  ``split``; ``localize``);
+* an embedding reading a vocabulary-split weight becomes ``vocab_parallel_embedding`` (a
+  partial sum: each rank looks up the ids it holds), a cross-entropy of vocabulary-split
+  logits ``vocab_parallel_cross_entropy``; a vocabulary tp does not divide is padded;
+* every edge where a reader needs another placement than its input has gets one
+  redistribution, shared by all readers wanting the same:
 
-It edits ``gm`` in place and fills a ``ParallelPlan``: parameter placements, the
-activations that enter regions (``plan.entries``) and the partial sums that leave
-them (``plan.exits``). It inserts no collective: the tensor-parallel or
-sequence-parallel placement pass decides between f/f̄ and g/ḡ. Reads
-``node.meta["val"]``; writes ``node.meta["sptransform_spec"]`` on every node whose
-output is split.
+      partial -> replicated      reduce_from_tp  (f̄: all-reduce; backward identity)
+      partial -> split           scatter_seq     (ḡ: reduce-scatter; backward all-gather)
+      split   -> replicated      gather_seq      (g: all-gather; backward reduce-scatter) when every
+                                                  reader sends back a partial sum, else gather_output
+                                                  (backward keeps the local slice)
+      replicated -> split        take_local      (a cut; backward puts the gradient in place)
+
+  Splits of several segments (a fused ``[q|k|v]``, tokens merged with the batch) are gathered
+  and scattered through a permutation into rank order;
+* the gradient reductions ``graph.gradients`` found: an f (``copy_to_tp``) for readers that
+  send back partial sums, and one bucketed ``sync_grads`` per layer for parameters whose
+  whole gradient is partial;
+* outputs split along their last dim (vocabulary-parallel logits) are returned as DTensors
+  (``plan.output_specs``), with the padding of an uneven vocabulary dropped.
+
+    before:  h = layer_norm(x); q = linear(h, Wq); ...; o = linear(a, Wo); y = add(o, b); r = add(x, y)
+    after:   h = layer_norm(x_s); hg = gather_seq(h, 1); q = linear(hg, Wq_r); ...(local heads)...;
+             o = linear(a_r, Wo_r); os = scatter_seq(o, 1); y = add(os, b); r = add(x_s, y)
+
+Edits ``gm`` in place; ``node.meta["val"]`` keeps global shapes; writes
+``node.meta["sptransform_spec"]`` (the split) on every node whose output is split.
 """
 
 from __future__ import annotations
 
 import math
+import operator
+from collections import defaultdict
 
 import torch
 import torch.fx as fx
 
-from sptransform.graph.analysis import LinearMatch, ModelAnalysis, Region
-from sptransform.runtime.ops import narrow_vocab, pad_last, pad_rows, take_local, vocab_parallel_cross_entropy, vocab_parallel_embedding
-from sptransform.graph.plan import Exit, ParallelPlan, ParamPlacement
-from sptransform.graph.sharding import DimShard, ShardingError, describe, is_getitem, is_split, packet, shape_of, whole
+from sptransform.graph.gradients import GradientPlan
+from sptransform.graph.placement import PARTIAL, REPLICATED, ParamPlacement
+from sptransform.graph.plan import ParallelPlan
+from sptransform.graph.propagate import Propagation
+from sptransform.graph.sharding import DimShard, ShardingError, describe, is_split, packet, shape_of
 from sptransform.passes.localize import index_table, localize, localize_split
+from sptransform.runtime.collectives import copy_to_tp, gather_output, gather_seq, reduce_from_tp, scatter_seq, sync_grads
+from sptransform.runtime.ops import (
+    narrow_vocab, pad_last, pad_rows, take_local, vocab_parallel_cross_entropy, vocab_parallel_embedding,
+)
 
 aten = torch.ops.aten
-
-_VOCAB_PASSTHROUGH = {aten.to, aten._to_copy, aten.contiguous, aten.clone, aten.alias, aten.detach,
-                      aten.mul, aten.div, aten.tanh, aten.slice}
 
 
 def add_rank_input(gm: fx.GraphModule) -> fx.Node:
@@ -45,216 +65,296 @@ def add_rank_input(gm: fx.GraphModule) -> fx.Node:
     return rank
 
 
-def shard_linears(
-    gm: fx.GraphModule, analysis: ModelAnalysis, *, tp: int, sp: bool, group: str, static_rank: int | None
-) -> ParallelPlan:
-    """``static_rank``: this process's rank when the graph serves one rank only (None when it
-    serves simulated ranks); only a rank-dependent output width is specialized on it."""
-    rank = add_rank_input(gm)
-    plan = ParallelPlan(tp=tp, sp=sp, group=group, rank=rank, static_rank=static_rank)
-    for region in analysis.regions:
-        _shard_region(gm, region, plan)
-    if analysis.head is not None:
-        _shard_vocab(gm, analysis, plan)
-    gm.graph.lint()
-    gm.recompile()
-    return plan
-
-
-# ---------------------------------------------------------------------------
-# regions
-
-
-def _shard_region(gm: fx.GraphModule, region: Region, plan: ParallelPlan) -> None:
-    tp = plan.tp
-    for column, spec in region.columns.items():
-        lm = region.column_linears[column]
-        plan.place(lm.weight_name, ParamPlacement(spec.with_dim(lm.out_dim), "column-parallel weight"))
-        if lm.bias_name:
-            plan.place(lm.bias_name, ParamPlacement(spec.with_dim(0), "column-parallel bias"))
-        plan.entries.setdefault(lm.input, []).append(column)
-        column.meta["sptransform_spec"] = spec
-    row = region.row
-    plan.place(row.weight_name, ParamPlacement(whole(1 - row.out_dim, row.in_features), "row-parallel weight"))
-    if row.bias_name:
-        plan.place(row.bias_name, ParamPlacement(None, "row-parallel bias (added after the reduction)"))
-    for node, spec in region.specs.items():
-        if node in region.columns or spec is None:
-            continue
-        if is_split(node):
-            localize_split(node, spec, tp)
-        elif not is_getitem(node):
-            localize(node, spec, tp)
-        else:
-            node.meta["sptransform_spec"] = spec
-    for node, spec in region.cuts:
-        cut_for_users(gm, node, spec, plan, users=[u for u in node.users if u in region.specs or u is row.node])
-    partial = _drop_bias(gm, row)
-    plan.exits.append(Exit(partial=partial, bias=row.bias, layer=region.layer))
-
-
-def _drop_bias(gm: fx.GraphModule, row: LinearMatch) -> fx.Node:
-    """``linear(x, W, b)`` -> ``linear(x, W)``; ``addmm(b, x, W)`` -> ``mm(x, W)``: the bias
-    is added once, after the partial sums are reduced."""
-    node = row.node
-    if row.bias is None:
-        return node
-    if packet(node) is aten.linear:
-        node.args = node.args[:2]
-    elif packet(node) is aten.addmm:
-        node.target = aten.mm.default
-        node.args = (node.args[1], node.args[2])
-        node.kwargs = {}
-    return node
-
-
-def cut_for_users(gm, node: fx.Node, spec: DimShard, plan: ParallelPlan, users) -> fx.Node:
-    """Insert ``take_local(node)`` and make ``users`` read it."""
-    table_node = index_table(gm, node, spec, plan.tp)
-    with gm.graph.inserting_after(table_node):
-        local = gm.graph.call_function(take_local, (node, spec.dim, table_node, plan.rank))
-    local.meta["val"] = node.meta.get("val")
-    local.meta["sptransform_spec"] = spec
-    local.meta["sptransform_cut_of"] = node
-    for user in users:
-        user.replace_input_with(node, local)
-    return local
-
-
-# ---------------------------------------------------------------------------
-# vocabulary: embedding, head, loss
-
-
-def _shard_vocab(gm: fx.GraphModule, analysis: ModelAnalysis, plan: ParallelPlan) -> None:
-    head = analysis.head
-    tp = plan.tp
-    vocab = head.out_features
-    per_rank = math.ceil(vocab / tp)
-    plan.vocab, plan.vocab_per_rank = vocab, per_rank
-    padded = per_rank if vocab % tp else None
-    plan.place(head.weight_name, ParamPlacement(whole(head.out_dim, vocab), "vocab-parallel head", padded))
-    if head.bias_name:
-        plan.place(head.bias_name, ParamPlacement(whole(0, vocab), "vocab-parallel head bias", padded))
-    for emb in analysis.vocab_embeddings:
-        plan.place(emb.weight_name, ParamPlacement(whole(0, vocab), "vocab-parallel embedding", padded))
-    if padded:
-        _pad_weight_uses(gm, head.weight, head.out_dim, per_rank)
-        if head.bias is not None:
-            _pad_weight_uses(gm, head.bias, 0, per_rank)
-        for emb in analysis.vocab_embeddings:
-            if emb.weight is not head.weight:
-                _pad_weight_uses(gm, emb.weight, 0, per_rank)
-    for emb in analysis.vocab_embeddings:
-        node = emb.node
-        node.target = vocab_parallel_embedding
-        node.args = (node.args[0], node.args[1], plan.rank, per_rank)
-        node.kwargs = {}
-        plan.exits.append(Exit(partial=node, bias=None, layer=0))
-    plan.entries.setdefault(head.input, []).append(head.node)
-    spec = DimShard(len(shape_of(head.node)) - 1, ((0, per_rank * tp),))
-    head.node.meta["sptransform_spec"] = spec
-    _follow_logits(gm, head.node, spec, plan)
-
-
-def _pad_weight_uses(gm, weight: fx.Node, dim: int, rows: int) -> None:
-    users = list(weight.users)
-    with gm.graph.inserting_after(weight):
-        padded = gm.graph.call_function(pad_rows if dim == 0 else pad_last, (weight, rows))
-    for user in users:
-        user.replace_input_with(weight, padded)
-
-
-def _follow_logits(gm, start: fx.Node, spec: DimShard, plan: ParallelPlan) -> None:
-    """Carry the vocab split from the head to the loss and the outputs."""
-    stack = [(start, spec)]
-    while stack:
-        node, spec = stack.pop()
-        for user in list(node.users):
-            p = packet(user)
-            if user.op == "output":
-                _mark_output(user, node, spec, plan)
-            elif p is aten.cross_entropy_loss and user.args[0] is node:
-                _vocab_parallel_loss(user, plan)
-            elif p in _VOCAB_PASSTHROUGH and all(not isinstance(a, fx.Node) for a in user.args[1:]):
-                if p is aten.slice and user.args[1] % len(shape_of(node)) == spec.dim:
-                    raise ShardingError(f"{describe(user)} slices the vocab dim of split logits")
-                user.meta["sptransform_spec"] = spec
-                stack.append((user, spec))
-            elif p in (aten.view, aten.reshape, aten._unsafe_view) and shape_of(user)[-1] == shape_of(node)[spec.dim]:
-                new = DimShard(len(shape_of(user)) - 1, spec.segments)
-                localize(user, new, plan.tp)
-                stack.append((user, new))
-            else:
-                raise ShardingError(
-                    f"{describe(user)} reads vocab-split logits; sptransform handles casts, reshapes, "
-                    "scaling and aten.cross_entropy_loss on them"
-                )
-
-
-def _mark_output(output: fx.Node, node: fx.Node, spec: DimShard, plan: ParallelPlan) -> None:
-    flat = list(output.args[0])
-    with output.graph.inserting_before(output):
-        narrowed = output.graph.call_function(narrow_vocab, (node, plan.vocab_per_rank, plan.vocab, plan.static_rank))
-    for i, value in enumerate(flat):
-        if value is node:
-            flat[i] = narrowed
-            plan.output_specs[i] = (spec, plan.vocab)
-    output.args = (tuple(flat),)
-
-
-def _vocab_parallel_loss(loss: fx.Node, plan: ParallelPlan) -> None:
-    args = list(loss.args) + [None] * (6 - len(loss.args))
-    logits, target, weight, reduction, ignore_index, smoothing = args[:6]
-    weight = loss.kwargs.get("weight", weight)
-    reduction = loss.kwargs.get("reduction", 1 if reduction is None else reduction)
-    ignore_index = loss.kwargs.get("ignore_index", -100 if ignore_index is None else ignore_index)
-    smoothing = loss.kwargs.get("label_smoothing", 0.0 if smoothing is None else smoothing)
-    if weight is not None or smoothing:
-        raise ShardingError(f"{describe(loss)}: class weights and label smoothing are not supported on split logits")
-    loss.target = vocab_parallel_cross_entropy
-    loss.args = (logits, target, plan.rank, plan.vocab_per_rank, plan.vocab, ignore_index, reduction, plan.group)
-    loss.kwargs = {}
-
-
-# ---------------------------------------------------------------------------
-# f / f̄ (tensor parallelism without sequence parallelism)
-
-
-def insert_tp_collectives(gm: fx.GraphModule, plan: ParallelPlan) -> fx.GraphModule:
-    """Place the conjugate pair around every region:
-
-        before:  h = layer_norm(x); q = linear(h, Wq_r) ... ; y = mm(a_r, Wo_r); z = add(y, b_o)
-        after:   h = layer_norm(x); h_f = copy_to_tp(h)      # f
-                 q = linear(h_f, Wq_r) ... ; y = reduce_from_tp(mm(a_r, Wo_r)); z = add(add(y, b_o))  # f̄
-
-    One f per activation, however many column-parallel linears read it."""
-    from sptransform.runtime.collectives import copy_to_tp, reduce_from_tp
-
-    for activation, consumers in plan.entries.items():
-        with gm.graph.inserting_after(activation):
-            entered = gm.graph.call_function(copy_to_tp, (activation, plan.group))
-        entered.meta["val"] = activation.meta.get("val")
-        for consumer in consumers:
-            consumer.replace_input_with(activation, entered)
-    for exit_ in plan.exits:
-        finish_exit(gm, exit_, exit_.partial, lambda node: gm.graph.call_function(reduce_from_tp, (node, plan.group)))
+def apply_placements(
+    gm: fx.GraphModule,
+    prop: Propagation,
+    grads: GradientPlan,
+    plan: ParallelPlan,
+    *,
+    params: dict[fx.Node, str],
+    layer_rows: list[tuple[fx.Node, int]],
+) -> fx.GraphModule:
+    """Rewrite ``gm`` to run on local shards (see module docstring). ``params``: parameter
+    placeholders -> FQN; ``layer_rows``: (row-parallel linear, its layer) for gradient buckets."""
+    originals = [n for n in gm.graph.nodes]
+    _pad_vocabulary(gm, prop, plan, params)
+    for node in originals:
+        if node.op == "call_function":
+            _localize(gm, node, prop, plan)
+    moved = _redistribute(gm, prop, grads, plan)
+    _add_fs(gm, grads, moved, plan)
+    _bucket_parameters(gm, grads.partial_params, params, plan, layer_rows)
+    _outputs(gm, prop, plan)
     gm.graph.lint()
     gm.recompile()
     return gm
 
 
-def finish_exit(gm: fx.GraphModule, exit_: Exit, at: fx.Node, make_collective) -> fx.Node:
-    """Reduce the partial sum ``at`` with ``make_collective``, add the bias, and make every
-    other reader of ``at`` read the result."""
-    readers = list(at.users)
-    with gm.graph.inserting_after(at):
-        reduced = make_collective(at)
-    reduced.meta["val"] = at.meta.get("val")
-    result = reduced
-    if exit_.bias is not None:
-        with gm.graph.inserting_after(reduced):
-            result = gm.graph.call_function(aten.add.Tensor, (reduced, exit_.bias))
-        result.meta["val"] = at.meta.get("val")
+# ---------------------------------------------------------------------------
+# local shapes, vocabulary
+
+
+def _pad_vocabulary(gm: fx.GraphModule, prop: Propagation, plan: ParallelPlan, params: dict[fx.Node, str]) -> None:
+    """A vocabulary tp does not divide: the last ranks' shards are padded to equal rows."""
+    for node, name in params.items():
+        placement = plan.placements.get(name)
+        if placement is None or placement.padded_rows is None:
+            continue
+        users = list(node.users)
+        dim = placement.spec.dim
+        pad = pad_rows if dim == 0 else pad_last
+        with gm.graph.inserting_after(_after_placeholders(gm, node)):
+            padded = gm.graph.call_function(pad, (node, placement.padded_rows))
+        padded.meta["val"] = node.meta.get("val")
+        prop.placement[padded] = prop.placement[node]
+        for user in users:
+            user.replace_input_with(node, padded)
+            reads = prop.reads.get(user)
+            if reads is not None and node in reads:
+                reads[padded] = reads.pop(node)
+
+
+def _localize(gm: fx.GraphModule, node: fx.Node, prop: Propagation, plan: ParallelPlan) -> None:
+    out = prop.placement.get(node)
+    reads = prop.reads.get(node, {})
+    p = packet(node)
+    if p is aten.embedding and isinstance(reads.get(node.args[0]), DimShard) and out == PARTIAL:
+        _vocab_embedding(node, plan)
+        return
+    if p is aten.cross_entropy_loss and isinstance(reads.get(node.args[0]), DimShard):
+        _vocab_loss(node, plan)
+        return
+    if isinstance(out, tuple):
+        source = node.args[0] if node.args else None
+        spec = reads.get(source)
+        if is_split(node) and isinstance(spec, DimShard):
+            localize_split(node, spec, plan.tp)
+        return
+    if isinstance(out, DimShard):
+        localize(node, out, plan.tp)
+
+
+def _vocab_embedding(node: fx.Node, plan: ParallelPlan) -> None:
+    args = list(node.args) + [None] * (5 - len(node.args))
+    weight, ids, padding_idx, scale_grad_by_freq, sparse = args[:5]
+    if scale_grad_by_freq or sparse:
+        raise ShardingError(f"{describe(node)}: an embedding with scale_grad_by_freq or sparse=True cannot be "
+                            "split along its vocabulary; use dense gradients without frequency scaling")
+    padding_idx = -1 if padding_idx is None else padding_idx
+    node.target = vocab_parallel_embedding
+    node.args = (weight, ids, plan.rank, plan.vocab_per_rank, padding_idx)
+    node.kwargs = {}
+
+
+def _vocab_loss(node: fx.Node, plan: ParallelPlan) -> None:
+    args = list(node.args) + [None] * (6 - len(node.args))
+    logits, target, weight, reduction, ignore_index, smoothing = args[:6]
+    reduction = node.kwargs.get("reduction", 1 if reduction is None else reduction)
+    ignore_index = node.kwargs.get("ignore_index", -100 if ignore_index is None else ignore_index)
+    node.target = vocab_parallel_cross_entropy
+    node.args = (logits, target, plan.rank, plan.vocab_per_rank, plan.vocab, ignore_index, reduction, plan.group)
+    node.kwargs = {}
+
+
+# ---------------------------------------------------------------------------
+# redistributions
+
+
+def _after_placeholders(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
+    """Where to insert after ``node``: placeholders stay together, so after the last one."""
+    if node.op != "placeholder":
+        return node
+    return [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+
+
+def _redistribute(gm: fx.GraphModule, prop: Propagation, grads: GradientPlan, plan: ParallelPlan) -> dict:
+    """One collective or cut per (input, wanted placement); returns {(input, wanted): new node}."""
+    groups: dict[tuple[fx.Node, object], list[fx.Node]] = defaultdict(list)
+    for user, reads in prop.reads.items():
+        for node, want in reads.items():
+            if want is not None and prop.placement.get(node) != want:
+                groups[(node, want)].append(user)
+    moved = {}
+    for (node, want), users in groups.items():
+        have = prop.placement[node]
+        new = _move(gm, node, have, want, grads, plan)
+        moved[(node, want)] = new
+        for user in users:
+            user.replace_input_with(node, new)
+    return moved
+
+
+def _move(gm: fx.GraphModule, node: fx.Node, have, want, grads: GradientPlan, plan: ParallelPlan) -> fx.Node:
+    graph = gm.graph
+    at = _after_placeholders(gm, node)
+    value = node.meta.get("val")
+
+    def emit(target, args, after, spec=None) -> fx.Node:
+        with graph.inserting_after(after):
+            new = graph.call_function(target, args)
+        new.meta["val"] = value
+        if spec is not None:
+            new.meta["sptransform_spec"] = spec
+        return new
+
+    if have == PARTIAL and want == REPLICATED:
+        return emit(reduce_from_tp, (node, plan.group), at)
+    if have == PARTIAL and isinstance(want, DimShard):
+        ordered = _to_rank_order(gm, node, want, plan, at)
+        return emit(scatter_seq, (ordered, want.dim, plan.group), ordered, want)
+    if isinstance(have, DimShard) and want == REPLICATED:
+        return _gather(gm, node, have, grads.gather_backward.get(node, "slice"), plan, at)
+    if have == REPLICATED and isinstance(want, DimShard):
+        table = index_table(gm, at, want, plan.tp)
+        return emit(take_local, (node, want.dim, table, plan.rank), table, want)
+    if not (isinstance(have, DimShard) and isinstance(want, DimShard)):
+        raise AssertionError(f"no move from {have} to {want} ({node.name})")
+    # One split to another (an all-to-all): gather, then cut. The cut sends back a partial
+    # sum, so the gather's backward reduce-scatters it.
+    full = _gather(gm, node, have, "reduce_scatter", plan, at)
+    table = index_table(gm, full, want, plan.tp)
+    return emit(take_local, (full, want.dim, table, plan.rank), table, want)
+
+
+def _rank_order(spec: DimShard, tp: int) -> list[int]:
+    """Global indices along the split dim in the order an all-gather concatenates the shards."""
+    return [i for r in range(tp) for i in spec.indices(r, tp)]
+
+
+def _register(gm: fx.GraphModule, values: list[int], after: fx.Node) -> fx.Node:
+    name = f"_sptransform_order_{sum(1 for n in gm.graph.nodes if n.op == 'get_attr')}"
+    while hasattr(gm, name):
+        name += "_"
+    gm.register_buffer(name, torch.tensor(values, dtype=torch.long), persistent=False)
+    with gm.graph.inserting_after(after):
+        return gm.graph.get_attr(name)
+
+
+def _to_rank_order(gm: fx.GraphModule, node: fx.Node, spec: DimShard, plan: ParallelPlan, at: fx.Node) -> fx.Node:
+    """A full-shape tensor reordered along ``spec.dim`` so that rank r's indices are the r-th chunk
+    (what a reduce-scatter hands out); ``node`` itself for a one-segment split."""
+    size = shape_of(node)[spec.dim]
+    order = _rank_order(spec, plan.tp)
+    if order == list(range(size)):
+        return node
+    table = _register(gm, order, at)
+    with gm.graph.inserting_after(table):
+        ordered = gm.graph.call_function(aten.index_select.default, (node, spec.dim, table))
+    ordered.meta["val"] = node.meta.get("val")
+    return ordered
+
+
+def _gather(gm: fx.GraphModule, node: fx.Node, spec: DimShard, backward: str, plan: ParallelPlan, at: fx.Node) -> fx.Node:
+    """All-gather a split tensor to its full value (in global order, padding dropped)."""
+    graph = gm.graph
+    with graph.inserting_after(at):
+        if backward == "reduce_scatter":
+            gathered = graph.call_function(gather_seq, (node, spec.dim, plan.group))
+        else:
+            gathered = graph.call_function(gather_output, (node, spec.dim, plan.rank, plan.group))
+    gathered.meta["val"] = node.meta.get("val")
+    size = shape_of(node)[spec.dim]
+    order = _rank_order(spec, plan.tp)
+    if order == list(range(size)):
+        return gathered
+    position = {index: i for i, index in enumerate(order)}
+    table = _register(gm, [position[i] for i in range(size)], gathered)
+    with graph.inserting_after(table):
+        restored = graph.call_function(aten.index_select.default, (gathered, spec.dim, table))
+    restored.meta["val"] = node.meta.get("val")
+    return restored
+
+
+# ---------------------------------------------------------------------------
+# gradient reductions
+
+
+def _add_fs(gm: fx.GraphModule, grads: GradientPlan, moved: dict, plan: ParallelPlan) -> None:
+    """An f (identity forward, all-reduce backward) in front of the readers that send back
+    partial sums. A reader that reads through a cut: the f goes in front of the cut."""
+    for node, readers in grads.f_edges.items():
+        _f_for(gm, node, readers, moved, plan)
+    for node, readers in grads.gathered_f_edges.items():
+        _f_for(gm, moved[(node, REPLICATED)], readers, moved, plan)
+    for node, readers in grads.reduced_f_edges.items():
+        _f_for(gm, moved[(node, REPLICATED)], readers, moved, plan)
+
+
+def _f_for(gm: fx.GraphModule, node: fx.Node, readers: list[fx.Node], moved: dict, plan: ParallelPlan) -> None:
+    with gm.graph.inserting_after(_after_placeholders(gm, node)):
+        f = gm.graph.call_function(copy_to_tp, (node, plan.group))
+    f.meta["val"] = node.meta.get("val")
+    cuts = {new: src for (src, _), new in moved.items() if src is node}
     for reader in readers:
-        reader.replace_input_with(at, result)
-    return reduced
+        if node in reader.all_input_nodes:
+            reader.replace_input_with(node, f)
+            continue
+        for cut, _ in cuts.items():
+            if cut in reader.all_input_nodes:
+                cut.replace_input_with(node, f)
+
+
+def _bucket_parameters(gm: fx.GraphModule, partial: list[fx.Node], params: dict[fx.Node, str], plan: ParallelPlan,
+                       layer_rows: list[tuple[fx.Node, int]]) -> None:
+    """One ``sync_grads`` per layer for the parameters whose whole gradient is partial: identity
+    forward, one all-reduce of the bucket's gradients backward. A parameter belongs to the layer
+    of the first row-parallel linear after its first use; those used after the last one (the
+    final norm) share one more bucket."""
+    if not partial:
+        return
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    rows = sorted((position[r], layer) for r, layer in layer_rows if r in position)
+    buckets: dict[int, list[fx.Node]] = defaultdict(list)
+    for param in sorted(partial, key=lambda p: position[p]):
+        first_use = min(position[u] for u in param.users)
+        layer = next((layer for pos, layer in rows if pos > first_use), rows[-1][1] + 1 if rows else 0)
+        buckets[layer].append(param)
+        plan.sync_params[params[param]] = layer
+    for layer, members in sorted(buckets.items()):
+        first_user = min((u for p in members for u in p.users), key=lambda u: position[u])
+        users = {p: list(p.users) for p in members}
+        with gm.graph.inserting_before(first_user):
+            bucket = gm.graph.call_function(sync_grads, (plan.group, *members))
+            outs = []
+            for i, p in enumerate(members):
+                out = gm.graph.call_function(operator.getitem, (bucket, i))
+                out.meta["val"] = p.meta.get("val")
+                outs.append(out)
+        for p, out in zip(members, outs):
+            for user in users[p]:
+                user.replace_input_with(p, out)
+
+
+# ---------------------------------------------------------------------------
+# outputs
+
+
+def _outputs(gm: fx.GraphModule, prop: Propagation, plan: ParallelPlan) -> None:
+    """Outputs still split (along their last dim) are returned as DTensors; an uneven
+    vocabulary's padding is dropped first."""
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    flat = list(output.args[0])
+    for i, value in enumerate(flat):
+        if not isinstance(value, fx.Node):
+            continue
+        spec = prop.placement.get(value)
+        if not isinstance(spec, DimShard):
+            continue
+        size = shape_of(value)[spec.dim]
+        padded = sum(n for _, n in spec.segments)
+        if padded != size:
+            with gm.graph.inserting_before(output):
+                narrowed = gm.graph.call_function(narrow_vocab, (value, padded // plan.tp, size, plan.static_rank))
+            narrowed.meta["val"] = value.meta.get("val")
+            flat[i] = narrowed
+        plan.output_specs[i] = (spec, size)
+    output.args = (tuple(flat),)
+
+
+def vocabulary_placements(vocab: int, tp: int) -> tuple[DimShard, int, int | None]:
+    """(split of a vocabulary of ``vocab`` rows, rows per rank, padded rows or None)."""
+    per_rank = math.ceil(vocab / tp)
+    return DimShard(0, ((0, per_rank * tp),)), per_rank, (per_rank if vocab % tp else None)
+
+
+__all__ = ["ParamPlacement", "add_rank_input", "apply_placements", "vocabulary_placements"]

@@ -109,7 +109,7 @@ class PipelinedModule(nn.Module):
 
     def _shard_parameter(self, name: str, param: nn.Parameter) -> nn.Parameter:
         placement = self._placements.get(name)
-        placement = placement_of(placement.spec) if placement is not None else Replicate()
+        placement = placement_of(placement.storage) if placement is not None else Replicate()
         return shard_parameter(param, placement, self._tp_mesh, self._device)
 
     def _tied_gradient_groups(self) -> list[tuple[str, dist.ProcessGroup]]:

@@ -92,7 +92,7 @@ class ParallelModule(nn.Module):
     def _shard_parameter(self, name: str, param: nn.Parameter) -> nn.Parameter:
         if self._mesh is None:
             return param
-        placement = placement_of(self._placements.get(name, ParamPlacement(None, "replicated")).spec)
+        placement = placement_of(self._placements.get(name, ParamPlacement(None, "replicated")).storage)
         return shard_parameter(param, placement, self._mesh, self._device)
 
     def _rank_tensor(self) -> torch.Tensor | None:

@@ -67,13 +67,20 @@ class _NarrowSimulated(torch.autograd.Function):
 
 
 def vocab_parallel_embedding(
-    weight: torch.Tensor, ids: torch.Tensor, rank: torch.Tensor, per_rank: int
+    weight: torch.Tensor, ids: torch.Tensor, rank: torch.Tensor, per_rank: int, padding_idx: int = -1
 ) -> torch.Tensor:
     """Look up the ids this rank's vocab slice holds; the rest give zero rows.
-    The output is partial: summing it over the group gives the full embedding."""
+    The output is partial: summing it over the group gives the full embedding.
+
+    ``padding_idx`` (global, -1 for none) keeps ``nn.Embedding``'s rule on every shard: its row
+    is looked up as usual but receives no gradient."""
     local = ids - rank * per_rank
     outside = (local < 0) | (local >= per_rank)
-    rows = F.embedding(local.masked_fill(outside, 0), weight)
+    index = local.masked_fill(outside, 0)
+    rows = F.embedding(index, weight)
+    if padding_idx >= 0:
+        padding = (ids == padding_idx).unsqueeze(-1)
+        rows = torch.where(padding, F.embedding(index, weight.detach()), rows)
     return rows.masked_fill(outside.unsqueeze(-1), 0.0)
 
 

@@ -63,10 +63,11 @@ def test_sequence_parallel_moves_the_same_activation_bytes_as_tensor_parallel():
 def test_one_gradient_bucket_per_layer_holds_the_layer_norm_weights_and_row_biases():
     gm = _graph(2, sp=True)
     buckets = [n for n in gm.graph.nodes if n.target is sync_grads]
-    assert len(buckets) == 3  # layer 0 (with positions), layer 1, final norm
+    assert len(buckets) == 3  # one per layer, and one for what follows the last block
     sizes = [len(b.args) - 1 for b in buckets]
-    # layer 0: positions + 2 norms x (w, b) + 2 row biases; layer 1: 2 norms x (w, b) + 2 row biases
-    assert sizes[:2] == [7, 6]
+    # layer 0: positions + 2 norms x (w, b) + the attention's row bias; layer 1: the previous MLP's
+    # row bias + 2 norms x (w, b) + its attention's row bias; then the last MLP bias + the final norm
+    assert sizes == [6, 6, 3]
 
 
 def test_g_and_g_bar_gather_and_scatter_along_the_sequence_dim():

@@ -1,0 +1,148 @@
+"""Gradient reductions, derived from placements and dataflow.
+
+A split tensor's gradient is split alike and a partial sum's gradient is replicated; neither
+needs a reduction. A *replicated* tensor's gradient is the sum of what its readers send back,
+and a reader sends back only a part of it (a partial sum) when the reader's output is split
+or partial: a norm weight read by a sequence-split norm, learned positions cut to this
+rank's rows, the input of a column-parallel linear. Such a reader is a *partial edge*.
+The gradient arriving over any other edge is whole on every rank (*full*), provided the
+reader's own gradient is full.
+
+``gradient_plan`` walks the graph backwards and decides, for every replicated tensor that
+needs a gradient:
+
+* an activation with partial edges: an ``f`` (identity forward, all-reduce backward) feeding
+  those readers, so its gradient is full before it flows further back (Megatron's f). A
+  tensor gathered from a split one whose readers are all partial edges needs no f: the
+  gather's backward is a reduce-scatter (Megatron's g); with any full reader it is a slice.
+* a tensor computed from parameters only (``1 + w``, a cast, a transpose): its gradient may
+  stay partial on the way back, since every op between it and the parameter is replicated
+  and so linear in the gradient with equal coefficients on every rank; a parameter whose
+  whole gradient is partial is summed in one bucketed all-reduce per layer. Where partial
+  and full contributions meet, the partial edges get an f.
+
+Nothing here depends on what the model is: only placements, who reads whom, and dtypes.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from sptransform.graph.placement import PARTIAL, REPLICATED
+from sptransform.graph.propagate import Propagation
+from sptransform.graph.sharding import DimShard
+
+
+@dataclass
+class GradientPlan:
+    f_edges: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
+    """Replicated tensor -> the readers whose gradient contributions an f sums (one f per tensor)."""
+    gathered_f_edges: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
+    """Split tensor gathered to replicated -> readers of the gathered copy needing an f."""
+    gather_backward: dict[fx.Node, str] = field(default_factory=dict)
+    """Split tensor gathered to replicated -> ``"reduce_scatter"`` (its readers send partial sums) or
+    ``"slice"`` (full gradients)."""
+    reduced_f_edges: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
+    """Partial sum all-reduced to replicated -> readers of the reduced copy needing an f."""
+    partial_params: list[fx.Node] = field(default_factory=list)
+    """Parameters whose gradient arrives partial on every rank: summed over the group."""
+
+
+def _floating(node: fx.Node) -> bool:
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+def _split_or_partial(placement) -> bool:
+    if isinstance(placement, tuple):
+        return any(_split_or_partial(p) for p in placement if p is not None)
+    return isinstance(placement, DimShard) or placement == PARTIAL
+
+
+def needs_gradient(gm: fx.GraphModule, sources: set[fx.Node]) -> set[fx.Node]:
+    """Floating nodes computed from ``sources`` (parameters, floating user inputs)."""
+    found = set()
+    for node in gm.graph.nodes:
+        if node in sources or any(a in found for a in node.all_input_nodes):
+            if _floating(node) or isinstance(node.meta.get("val"), (tuple, list)):
+                found.add(node)
+    return found
+
+
+def gradient_plan(
+    gm: fx.GraphModule, prop: Propagation, *, params: set[fx.Node], constant: set[fx.Node], inputs: set[fx.Node]
+) -> GradientPlan:
+    """Where the gradient reductions go. ``params``: parameter placeholders; ``constant``: nodes
+    computed from parameters and buffers only; ``inputs``: floating user-input placeholders."""
+    plan = GradientPlan()
+    grad = needs_gradient(gm, params | inputs)
+    state: dict[fx.Node, str] = {}  # replicated node -> "full" / "partial" (its gradient on arrival)
+
+    def edge(user: fx.Node, node: fx.Node) -> str:
+        if user.op == "output":
+            return "full"
+        if prop.reads.get(user, {}).get(node, REPLICATED) != REPLICATED:
+            return "partial"  # read through a cut to a split: its backward scatters a part
+        if _split_or_partial(prop.placement.get(user)):
+            return "partial"
+        return state.get(user, "full")
+
+    for node in reversed(list(gm.graph.nodes)):
+        if node not in grad or node.op == "output":
+            continue
+        placement = prop.placement.get(node)
+        if isinstance(placement, tuple):  # several outputs: gradient arrives through the getitems
+            if all(p in (REPLICATED, None) for p in placement):
+                kinds = {state.get(u, "full") for u in node.users if u.target is operator.getitem}
+                state[node] = "partial" if kinds == {"partial"} else "full"
+            continue
+        if placement != REPLICATED:
+            continue
+        readers = [u for u in node.users if prop.reads.get(u, {}).get(node, REPLICATED) is not None]
+        kinds = {u: edge(u, node) for u in readers}
+        partial = [u for u, k in kinds.items() if k == "partial"]
+        if not partial:
+            state[node] = "full"
+        elif node in constant and len(partial) == len(kinds):
+            state[node] = "partial"  # stays partial back to the parameters (replicated ops are linear)
+        else:
+            plan.f_edges[node] = partial
+            state[node] = "full"
+        if node.op == "placeholder" and node in params and state[node] == "partial":
+            plan.partial_params.append(node)
+    _redistributed(gm, prop, plan, state, grad)
+    return plan
+
+
+def _redistributed(gm: fx.GraphModule, prop: Propagation, plan: GradientPlan, state: dict, grad: set) -> None:
+    """Copies the rewrite makes: a split tensor gathered to replicated, a partial sum reduced to
+    replicated. Their readers decide the gather's backward, and which readers need an f."""
+    for node in gm.graph.nodes:
+        if node not in grad:
+            continue
+        have = prop.placement.get(node)
+        readers = [u for u in node.users if prop.reads.get(u, {}).get(node) == REPLICATED]
+        if not readers or have == REPLICATED or not (isinstance(have, DimShard) or have == PARTIAL):
+            continue
+        kinds = {}
+        for user in readers:
+            if user.op == "output":
+                kinds[user] = "full"
+            elif _split_or_partial(prop.placement.get(user)):
+                kinds[user] = "partial"
+            else:
+                kinds[user] = state.get(user, "full")
+        partial = [u for u, k in kinds.items() if k == "partial"]
+        if isinstance(have, DimShard):
+            if partial and len(partial) == len(kinds):
+                plan.gather_backward[node] = "reduce_scatter"
+            else:
+                plan.gather_backward[node] = "slice"
+                if partial:
+                    plan.gathered_f_edges[node] = partial
+        elif partial:
+            plan.reduced_f_edges[node] = partial

@@ -1,0 +1,77 @@
+"""Where a tensor lives on the tensor-parallel axis: replicated, split along a dim, or a partial sum.
+
+Every node of a captured graph gets one ``Placement`` (a tuple of them for ops with several
+outputs, ``None`` for non-tensors):
+
+* ``REPLICATED``: every rank holds the whole tensor, equal on all ranks;
+* ``DimShard(dim, segments)``: split along ``dim`` (see ``graph.sharding``: one segment is an
+  even split of the dim, several are a fused dim whose every segment is split evenly);
+* ``PARTIAL``: every rank holds a tensor of the full shape; the value is their sum.
+
+A placement says what a rank's *local* tensor means. Its gradient has the dual placement:
+a split tensor's gradient is split the same way, a partial sum's gradient is replicated,
+and a replicated tensor's gradient is either replicated or partial, depending on who reads
+it (``graph.gradients`` decides which, from dataflow).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+from sptransform.graph.sharding import DimShard
+
+
+@dataclass(frozen=True)
+class Replicated:
+    def __repr__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True)
+class PartialSum:
+    def __repr__(self) -> str:
+        return "P"
+
+
+REPLICATED = Replicated()
+PARTIAL = PartialSum()
+
+Placement = Union[Replicated, PartialSum, DimShard]
+
+
+def is_split(placement) -> bool:
+    return isinstance(placement, DimShard)
+
+
+def describe_placement(placement) -> str:
+    """``R``, ``P``, ``S(2)`` or ``S(2, 3 segments)`` (``None`` for non-tensors)."""
+    if placement is None:
+        return "-"
+    if isinstance(placement, tuple):
+        return "(" + ", ".join(describe_placement(p) for p in placement) + ")"
+    if isinstance(placement, DimShard):
+        if len(placement.segments) == 1:
+            return f"S({placement.dim})"
+        return f"S({placement.dim}, {len(placement.segments)} segments)"
+    return repr(placement)
+
+
+@dataclass(frozen=True)
+class ParamPlacement:
+    """How one parameter is held: split along ``spec`` (None: replicated).
+    ``padded_rows``: the local shard is padded to this many rows in the graph (a vocabulary
+    that tp does not divide)."""
+
+    spec: DimShard | None
+    role: str
+    padded_rows: int | None = None
+    stored_whole: bool = False
+    """Split in the graph but stored whole on every rank, because DTensor has no placement for
+    the split (a fused weight of unequal segments): the graph cuts the local part, and the
+    parameter's gradient is summed over the group."""
+
+    @property
+    def storage(self) -> DimShard | None:
+        """The split the parameter is stored with (None: whole on every rank)."""
+        return None if self.stored_whole else self.spec

@@ -1,0 +1,92 @@
+"""Canonical forms the analysis and the rewrite rely on.
+
+``remove_dead_code``: nodes no output depends on (a computed-but-unused tensor, a dead
+``alias``) are erased, so they are never counted as readers that force a placement.
+
+    before:  a = alias(x); y = linear(x, W)        # a unused
+    after:   y = linear(x, W)
+
+``split_bias``: a bias folded into a matmul is added separately, so that a matmul whose
+contraction is split (a row-parallel linear, a partial sum) never adds it on every rank.
+
+    before:  y = addmm(b, x, W)          y = linear(x, W, b)
+    after:   y = add(mm(x, W), b)        y = add(linear(x, W), b)
+
+``repeat_grouped_kv``: an attention kernel with grouped K/V heads (``enable_gqa``) whose K/V
+head count tp does not divide gets its K/V heads repeated to the query heads, so that every
+rank's query heads find theirs in a split of the repeated ones.
+
+    before:  o = sdpa(q, k, v, enable_gqa=True)                      # q: 8 heads, k, v: 2
+    after:   o = sdpa(q, repeat_interleave(k, 4, -3), repeat_interleave(v, 4, -3))
+
+All edit ``gm`` in place and keep ``node.meta["val"]`` on what they create.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from sptransform.graph.nodes import packet
+
+aten = torch.ops.aten
+
+
+def remove_dead_code(gm: fx.GraphModule) -> int:
+    """Erase pure nodes nothing reads; returns how many went."""
+    before = len(gm.graph.nodes)
+    gm.graph.eliminate_dead_code()
+    removed = before - len(gm.graph.nodes)
+    if removed:
+        gm.recompile()
+    return removed
+
+
+def split_bias(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
+    """Take the bias out of ``linear`` / ``addmm`` ``node``; returns the node of the bias-free
+    matmul (the add after it takes over ``node``'s readers)."""
+    p = packet(node)
+    if p is aten.linear and len(node.args) > 2 and node.args[2] is not None:
+        bias = node.args[2]
+        node.args = node.args[:2]
+    elif p is aten.addmm and not node.kwargs and len(node.args) == 3:
+        bias = node.args[0]
+        node.target = aten.mm.default
+        node.args = (node.args[1], node.args[2])
+    else:
+        return node
+    readers = list(node.users)
+    with gm.graph.inserting_after(node):
+        added = gm.graph.call_function(aten.add.Tensor, (node, bias))
+    added.meta = {k: v for k, v in node.meta.items()}
+    for reader in readers:
+        reader.replace_input_with(node, added)
+    return node
+
+
+def repeat_grouped_kv(gm: fx.GraphModule, *, tp: int) -> int:
+    """Repeat grouped K/V heads of fused attention calls where tp does not divide their count;
+    returns how many calls changed."""
+    changed = 0
+    for node in list(gm.graph.nodes):
+        if packet(node) is not aten.scaled_dot_product_attention or not node.kwargs.get("enable_gqa"):
+            continue
+        q, k, v = node.args[:3]
+        heads, groups = q.meta["val"].shape[-3], k.meta["val"].shape[-3]
+        if groups == heads or groups % tp == 0:
+            continue
+        repeated = []
+        for x in (k, v):
+            with gm.graph.inserting_before(node):
+                r = gm.graph.call_function(aten.repeat_interleave.self_int, (x, heads // groups, -3))
+            value = x.meta["val"]
+            shape = list(value.shape)
+            shape[-3] = heads
+            r.meta["val"] = value.new_empty(shape)
+            repeated.append(r)
+        node.args = (q, *repeated, *node.args[3:])
+        node.kwargs = {key: val for key, val in node.kwargs.items() if key != "enable_gqa"}
+        changed += 1
+    if changed:
+        gm.recompile()
+    return changed
