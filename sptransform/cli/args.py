@@ -74,26 +74,22 @@ def one_line(text: str) -> str:
 # -- integers ---------------------------------------------------------------------
 
 
-def _read_int(text: str, what: str) -> int:
-    stripped = str(text).strip()
-    if not re.fullmatch(r"[+-]?[0-9]+", stripped):
-        raise BadValue(f"{text!r} is not {what}: write it with digits only, e.g. 8")
-    if len(stripped.lstrip("+-")) > 18:
-        raise BadValue(f"{stripped} is far too large for {what}: the limit is {MAX_COUNT:,}")
-    return int(stripped)
-
-
 def int_type(minimum: int, maximum: int = MAX_COUNT, *, why: str = "") -> Callable[[str], int]:
     """An argparse type for a whole number in [``minimum``, ``maximum``]; ``why`` says where the
     maximum comes from (it goes into the error message)."""
     what = {1: "a positive integer", 0: "a non-negative integer"}.get(minimum, f"an integer >= {minimum}")
 
     def read(text: str) -> int:
-        value = _read_int(text, what)
-        if value < minimum:
-            raise BadValue(f"{value} is not {what}: give a whole number >= {minimum}")
-        if value > maximum:
-            raise BadValue(f"{value} is above the limit of {maximum:,}{f' ({why})' if why else ''}: "
+        stripped = str(text).strip()
+        if not re.fullmatch(r"[+-]?[0-9]+", stripped):
+            raise BadValue(f"{text!r} is not {what}: write it with digits only, e.g. 8")
+        digits = len(stripped.lstrip("+-"))
+        shown = stripped if digits <= 24 else f"{stripped[:12]}... ({digits} digits)"
+        value = int(stripped) if digits <= 24 else None  # int() refuses thousands of digits
+        if value is not None and value < minimum or value is None and stripped.startswith("-"):
+            raise BadValue(f"{shown} is not {what}: give a whole number >= {minimum}")
+        if value is None or value > maximum:
+            raise BadValue(f"{shown} is above the limit of {maximum:,}{f' ({why})' if why else ''}: "
                            f"give at most {maximum}")
         return value
 
@@ -123,7 +119,8 @@ def float_type(*, minimum: float | None = None, maximum: float | None = None, ex
             rule = f"> {minimum:g}" if exclusive_minimum else f">= {minimum:g}"
             raise BadValue(f"{text} must be a finite number {rule}, e.g. {example}")
         if maximum is not None and value > maximum:
-            raise BadValue(f"{text} is above the limit of {maximum:g}: give a finite number <= {maximum:g}")
+            shown = f"{int(maximum):,}" if float(maximum).is_integer() else f"{maximum:g}"
+            raise BadValue(f"{text} is above the limit of {shown}: give a finite number <= {shown}")
         return value
 
     read.__name__ = "float"
@@ -144,6 +141,23 @@ def fraction(text: str) -> float:
 
 
 # -- pipeline schedules -------------------------------------------------------------
+
+
+def schedule_and_stages(schedule: str, stages_per_rank: int | None):
+    """(the ``ScheduleSpec`` of ``--schedule``, stages per rank: ``--stages-per-rank`` or the
+    schedule's default), the schedule's rules checked with the flags named."""
+    from sptransform.pipeline.schedule import check_stages_per_rank, schedule_spec
+
+    try:
+        spec = schedule_spec(schedule)
+    except ValueError as error:
+        raise ValueError(f"--schedule: {error}") from None
+    v = stages_per_rank if stages_per_rank is not None else spec.default_stages_per_rank
+    try:
+        check_stages_per_rank(spec, v)
+    except ValueError as error:
+        raise ValueError(f"--stages-per-rank: {error}") from None
+    return spec, v
 
 
 def check_pipeline_size(pp: int, microbatches: int, stages_per_rank: int, schedule: str, *,

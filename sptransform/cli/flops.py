@@ -38,7 +38,7 @@ def register(subparsers) -> None:
 def run(args) -> int:
     shape = load_model(args.model)
     gpu = get_gpu(args.gpu)
-    seq_len = args.seq_len or shape.seq_len
+    seq_len = args.seq_len if args.seq_len is not None else shape.seq_len
     modes = ("train", "decode") if args.mode == "both" else (args.mode,)
     tables = {mode: roofline(layer_ops(shape, mode=mode, batch=args.batch, seq_len=seq_len,
                                        heads_as_one=args.heads_as_one), gpu) for mode in modes}

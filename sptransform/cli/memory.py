@@ -31,7 +31,7 @@ import re
 import time
 
 from sptransform.cli.args import (
-    PIPELINE_LIMITS, BadValue, check_pipeline_size, int_type, load_model, non_negative_int,
+    PIPELINE_LIMITS, BadValue, check_pipeline_size, int_type, load_model, non_negative_int, schedule_and_stages,
 )
 from sptransform.planner.presets import MAX_SIZE, PRESETS
 from sptransform.planner.tables import TextTable, print_table
@@ -84,8 +84,8 @@ def register(subparsers) -> None:
     )
 
 
-_BUDGET_HELP = ("write bytes as a whole number, with or without a unit (12GiB, 1.5GiB, 3e9, 1500000000), "
-                "or a fraction of what 'none' keeps in (0, 1] (0.5)")
+_BUDGET_HELP = ("give bytes as a whole number, with or without a unit (1500000000, 3e9, 1.5GB, 12GiB), "
+                "or a fraction of what 'none' keeps, in (0, 1] (0.5)")
 
 
 def parse_budget(text: str | None) -> int | float | None:
@@ -108,8 +108,8 @@ def parse_budget(text: str | None) -> int | float | None:
         return number
     value = number * _UNITS[unit]
     if value != math.floor(value):
-        raise BadValue(f"{text!r} is ambiguous: a fraction of 'none' must be in (0, 1] and bytes a whole number; "
-                       f"{_BUDGET_HELP}")
+        raise BadValue(f"{text!r} is ambiguous: neither a fraction of 'none' (those are in (0, 1]) nor a whole "
+                       f"number of bytes; {_BUDGET_HELP}")
     if value > 2**62:
         raise BadValue(f"{text!r} is far more bytes than any GPU holds: {_BUDGET_HELP}")
     return int(value)
@@ -140,8 +140,9 @@ def run(args) -> int:
     if stored is not None and (args.pp < 2 or args.recompute == "none"):
         raise ValueError(f"--stored-microbatches {stored} chooses which pipeline microbatches skip recomputation: "
                          "give --pp > 1 and a --recompute policy")
+    microbatches = args.microbatches if args.microbatches is not None else args.pp
     if pipelined:
-        check_pipeline(shape, pp=args.pp, microbatches=args.microbatches or args.pp, schedule=args.schedule,
+        check_pipeline(shape, pp=args.pp, microbatches=microbatches, schedule=args.schedule,
                        stages_per_rank=args.stages_per_rank)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     options = RematOptions(policy=args.recompute, budget=args.budget, recompute_collectives=args.recompute_collectives)
@@ -156,7 +157,7 @@ def run(args) -> int:
         if stored is not None:  # what a microbatch that keeps every activation holds
             everything = measure_shape(shape, options=RematOptions(policy="none"), seq=seq, batch=batch,
                                        dtype=dtype, tp=args.tp, sp=args.sp, num_layers=2)
-        report["pipeline"] = pipeline_memory(measured, pp=args.pp, microbatches=args.microbatches or args.pp,
+        report["pipeline"] = pipeline_memory(measured, pp=args.pp, microbatches=microbatches,
                                              schedule=args.schedule, stages_per_rank=args.stages_per_rank,
                                              stored_microbatches=stored, fully_stored=everything)
     if args.json:
@@ -200,11 +201,7 @@ def check_measurable(shape, *, tp: int, sp: bool, seq: int, batch: int) -> None:
 
 def check_pipeline(shape, *, pp: int, microbatches: int, schedule: str, stages_per_rank: int | None) -> None:
     """``--pp``, ``--microbatches``, ``--schedule`` and ``--stages-per-rank`` checked before tracing."""
-    from sptransform.pipeline.schedule import check_stages_per_rank, schedule_spec
-
-    spec = schedule_spec(schedule)
-    v = stages_per_rank or spec.default_stages_per_rank
-    check_stages_per_rank(spec, v)
+    spec, v = schedule_and_stages(schedule, stages_per_rank)
     check_pipeline_size(pp, microbatches, v, spec.name)
     if pp * v > shape.num_layers:
         raise ValueError(f"{shape.name} has {shape.num_layers} layers, fewer than --pp x stages per rank = "
@@ -225,7 +222,7 @@ def pipeline_memory(m, *, pp: int, microbatches: int, schedule: str, stages_per_
     if pp < 1 or microbatches < 1:
         raise ValueError(f"--pp {pp} and --microbatches {microbatches} must be at least 1")
     spec = schedule_spec(schedule)
-    v = stages_per_rank or spec.default_stages_per_rank
+    v = stages_per_rank if stages_per_rank is not None else spec.default_stages_per_rank
     check_stages_per_rank(spec, v)
     stages, layers = pp * v, m.shape.num_layers
     if layers < stages:

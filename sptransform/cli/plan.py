@@ -44,10 +44,10 @@ def register(subparsers) -> None:
                       help=f"GPUs in the cluster (default 8; at most {SEARCH_LIMITS['num_gpus']:,})")
     what.add_argument("--gpus-per-node", type=int_type(1, SEARCH_LIMITS["gpus_per_node"], why="the planner's search limit"),
                       default=8, help="GPUs sharing a node's NVLink; tensor parallelism stays inside one (default 8)")
-    what.add_argument("--gpu-memory-gib", type=float_type(minimum=0, exclusive_minimum=True, maximum=2**20, example="80"),
-                      help="override the GPU's memory (GiB, > 0)")
-    what.add_argument("--peak-tflops", type=float_type(minimum=0, exclusive_minimum=True, maximum=1e6, example="989"),
-                      help="override the GPU's dense 16-bit peak (TFLOP/s, > 0)")
+    what.add_argument("--gpu-memory-gib", type=float_type(minimum=1e-3, maximum=2**20, example="80"),
+                      help="override the GPU's memory (GiB, 0.001 to 1,048,576)")
+    what.add_argument("--peak-tflops", type=float_type(minimum=1e-3, maximum=1e6, example="989"),
+                      help="override the GPU's dense 16-bit peak (TFLOP/s, 0.001 to 1,000,000)")
     batch = parser.add_argument_group("workload")
     batch.add_argument("--global-batch", type=int_type(1, SEARCH_LIMITS["global_batch"], why="the planner's search limit"),
                        help=f"sequences per iteration over all replicas (required; at most {SEARCH_LIMITS['global_batch']:,})")
@@ -97,7 +97,7 @@ def run(args) -> int:
     if args.reserve_gib * GIB >= gpu.memory_bytes:
         raise ValueError(f"--reserve-gib {args.reserve_gib:g} leaves nothing of the {gpu.name}'s "
                          f"{gpu.memory_bytes / GIB:g} GiB: reserve less than that")
-    workload = Workload(global_batch=args.global_batch, seq_len=args.seq_len or shape.seq_len, ema=args.ema,
+    workload = Workload(global_batch=args.global_batch, seq_len=shape.seq_len if args.seq_len is None else args.seq_len, ema=args.ema,
                         state_bytes=StateBytes(gradients=args.grad_bytes, optimizer=args.optimizer_bytes))
     if args.iteration_time is not None:
         return _run_measured(args, shape, cluster, workload)

@@ -21,7 +21,7 @@ import argparse
 import math
 
 from sptransform.cli.args import (
-    PIPELINE_LIMITS, PLOT_LIMIT, PLOT_MAX_RANKS, check_pipeline_size, int_type, positive_float,
+    PIPELINE_LIMITS, PLOT_LIMIT, PLOT_MAX_RANKS, check_pipeline_size, int_type, positive_float, schedule_and_stages,
 )
 
 # torch loads when the command runs, not when the CLI builds its parsers
@@ -55,18 +55,14 @@ def register(subparsers) -> None:
 
 def timeline(pp: int, microbatches: int, schedule: str, stages_per_rank: int | None, backward_ratio: float):
     """(spec, v, boxes, memory steps per rank) of one schedule."""
-    from sptransform.pipeline.schedule import (
-        check_stages_per_rank, memory_timeline, pipeline_order, schedule_spec, simulate,
-    )
+    from sptransform.pipeline.schedule import memory_timeline, pipeline_order, simulate
 
     for name, value in (("--pp", pp), ("--microbatches", microbatches)):
         if value < 1:
             raise ValueError(f"{name} {value} must be at least 1")
     if not 0 < backward_ratio < math.inf:
         raise ValueError(f"--backward-ratio {backward_ratio} must be a finite number > 0")
-    spec = schedule_spec(schedule)
-    v = stages_per_rank if stages_per_rank is not None else spec.default_stages_per_rank
-    check_stages_per_rank(spec, v)
+    spec, v = schedule_and_stages(schedule, stages_per_rank)
     check_pipeline_size(pp, microbatches, v, spec.name)
     order = pipeline_order(spec, pp, v, microbatches)
     durations = {"F": 1.0 / v, "B": backward_ratio / v, "I": backward_ratio / (2 * v), "W": backward_ratio / (2 * v)}
