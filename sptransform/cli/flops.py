@@ -15,7 +15,8 @@ from dataclasses import asdict
 from sptransform.planner.cluster import GPU_PRESETS, get_gpu
 from sptransform.planner.opflops import RooflineRow, layer_ops, roofline
 from sptransform.planner.tables import TextTable, print_table
-from sptransform.planner.presets import PRESETS, get_preset
+from sptransform.planner.presets import MAX_SIZE, PRESETS
+from sptransform.cli.args import int_type, load_model
 
 
 def register(subparsers) -> None:
@@ -24,9 +25,10 @@ def register(subparsers) -> None:
     parser.set_defaults(run=run)
     parser.add_argument("--model", required=True, help=f"a preset ({', '.join(sorted(PRESETS))}) or a HF config.json")
     parser.add_argument("--gpu", default="A100-80G", help=f"{', '.join(GPU_PRESETS)} (default A100-80G)")
-    parser.add_argument("--seq-len", type=int,
+    parser.add_argument("--seq-len", type=int_type(1, MAX_SIZE, why="the largest sequence a model shape may have"),
                         help="sequence (training) or KV-cache (decode) length; default: the model's")
-    parser.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
+    parser.add_argument("--batch", type=int_type(1, MAX_SIZE, why="the largest batch counted"), default=1,
+                        help="sequences (default 1)")
     parser.add_argument("--mode", choices=("train", "decode", "both"), default="both")
     parser.add_argument("--heads-as-one", action="store_true",
                         help="attention as one [s,h]x[h,s] product, as the tutorial's tables count it")
@@ -34,11 +36,9 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    shape = get_preset(args.model)
+    shape = load_model(args.model)
     gpu = get_gpu(args.gpu)
-    seq_len = args.seq_len or shape.seq_len
-    if args.batch < 1 or seq_len < 1:
-        raise ValueError(f"--batch={args.batch} and --seq-len={seq_len} must be at least 1")
+    seq_len = args.seq_len if args.seq_len is not None else shape.seq_len
     modes = ("train", "decode") if args.mode == "both" else (args.mode,)
     tables = {mode: roofline(layer_ops(shape, mode=mode, batch=args.batch, seq_len=seq_len,
                                        heads_as_one=args.heads_as_one), gpu) for mode in modes}

@@ -26,16 +26,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import time
 
+from sptransform.cli.args import (
+    PIPELINE_LIMITS, BadValue, check_pipeline_size, int_type, load_model, non_negative_int, schedule_and_stages,
+)
+from sptransform.planner.presets import MAX_SIZE, PRESETS
 from sptransform.planner.tables import TextTable, print_table
-from sptransform.planner.presets import PRESETS, get_preset
 
 # the measuring modules (torch, AOTAutograd, networkx) load when the command runs, not when
 # the CLI builds its parsers
 DTYPES = ("bf16", "fp16", "fp32")
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+POLICIES = ("none", "selective", "full", "norm_upproj", "budget")
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 def register(subparsers) -> None:
@@ -44,38 +50,69 @@ def register(subparsers) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.set_defaults(run=run)
+    limits = PIPELINE_LIMITS
     parser.add_argument("--model", required=True, help=f"a preset ({', '.join(sorted(PRESETS))}) or a HF config.json")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    parser.add_argument("--tp", type=int_type(1, MAX_SIZE), default=1,
+                        help="tensor-parallel degree, dividing the heads (default 1)")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
-    parser.add_argument("--recompute", default="none",
-                        help="none, selective, full, norm_upproj or budget (default none)")
+    parser.add_argument("--recompute", default="none", help=f"{', '.join(POLICIES)} (default none)")
     parser.add_argument("--recompute-collectives", action="store_true",
                         help="let recomputation re-run collectives (Megatron's full recompute does)")
-    parser.add_argument("--budget", help="for --recompute budget: bytes per rank (e.g. 12GiB) or a fraction of 'none'")
-    parser.add_argument("--seq", type=int, help="sequence length (default: the model's)")
-    parser.add_argument("--batch", type=int, help="micro-batch (default: the paper's for its models, else 1)")
-    parser.add_argument("--dtype", default="bf16", help=f"one of {', '.join(DTYPES)} (default bf16)")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline ranks: report each rank's peak (default 1)")
-    parser.add_argument("--microbatches", type=int, help="with --pp: microbatches per step (default pp)")
+    parser.add_argument("--budget", type=parse_budget,
+                        help="with --recompute budget: bytes per rank, a whole number with or without a unit "
+                             "(12GiB, 3e9, 1500000000), or a fraction of what 'none' keeps in (0, 1] (0.5)")
+    parser.add_argument("--seq", type=int_type(1, MAX_SIZE), help="sequence length (default: the model's)")
+    parser.add_argument("--batch", type=int_type(1, MAX_SIZE),
+                        help="micro-batch (default: the paper's for its models, else 1)")
+    parser.add_argument("--dtype", default="bf16", choices=DTYPES, help="default bf16")
+    parser.add_argument("--pp", type=int_type(1, limits["pp"], why="the schedule is simulated action by action"),
+                        default=1, help=f"pipeline ranks: report each rank's peak (default 1, at most {limits['pp']})")
+    parser.add_argument("--microbatches", type=int_type(1, limits["microbatches"], why="the schedule is simulated"),
+                        help=f"with --pp: microbatches per step (default: pp; at most {limits['microbatches']})")
     parser.add_argument("--schedule", default="1f1b", help="with --pp: gpipe, 1f1b, interleaved1f1b, looped_bfs or zbv")
-    parser.add_argument("--stages-per-rank", type=int, help="with --pp: virtual stages per rank")
-    parser.add_argument("--stored-microbatches", type=int,
+    parser.add_argument("--stages-per-rank", type=int_type(1, limits["stages_per_rank"], why="the schedule is simulated"),
+                        help="with --pp: virtual stages per rank (default: the schedule's)")
+    parser.add_argument("--stored-microbatches", type=non_negative_int,
                         help="with --pp and a --recompute policy: microbatches per stage that keep every activation "
                              "(a moving window; the paper's Appendix C)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.epilog = (
+        f"Limits: pp x stages-per-rank x microbatches <= {limits['stage_microbatches']:,} for gpipe/1f1b and "
+        f"<= {limits['stage_microbatches_torch']:,} for interleaved1f1b/looped_bfs/zbv; the largest activation of "
+        f"one microbatch (e.g. the logits, batch x seq x vocab) at most 2^{MAX_TRACED_ELEMENTS.bit_length() - 1} "
+        "elements."
+    )
+
+
+_BUDGET_HELP = ("give bytes as a whole number, with or without a unit (1500000000, 3e9, 1.5GB, 12GiB), "
+                "or a fraction of what 'none' keeps, in (0, 1] (0.5)")
 
 
 def parse_budget(text: str | None) -> int | float | None:
-    """``"0.5"`` -> a fraction of 'none'; ``"12GiB"``, ``"3e9"`` or ``"1200000"`` -> bytes."""
+    """``--budget``: ``"0.5"`` -> a fraction of 'none' (a plain number in (0, 1]); ``"12GiB"``,
+    ``"3e9"`` or ``"1200000"`` -> bytes (a unit, or a plain number above 1, which must then be a
+    whole number: ``"1.5"`` is an error, neither a fraction nor a byte count)."""
     if text is None:
         return None
-    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"--budget={text!r}: give bytes (12GiB, 3e9) or a fraction of 'none' (0.5)")
-    number, unit = float(match.group(1)), match.group(2).lower()
+    match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _UNITS:
+        raise BadValue(f"{text!r} is not a memory budget: {_BUDGET_HELP}")
+    try:
+        number = float(match.group(1))
+    except ValueError:
+        raise BadValue(f"{text!r} is not a memory budget: {_BUDGET_HELP}") from None
+    if not math.isfinite(number) or number <= 0:
+        raise BadValue(f"{text!r} is not a positive finite budget: {_BUDGET_HELP}")
     if not unit and number <= 1:
         return number
-    return int(number * _UNITS[unit])
+    value = number * _UNITS[unit]
+    if value != math.floor(value):
+        raise BadValue(f"{text!r} is ambiguous: neither a fraction of 'none' (those are in (0, 1]) nor a whole "
+                       f"number of bytes; {_BUDGET_HELP}")
+    if value > 2**62:
+        raise BadValue(f"{text!r} is far more bytes than any GPU holds: {_BUDGET_HELP}")
+    return int(value)
 
 
 def run(args) -> int:
@@ -84,29 +121,43 @@ def run(args) -> int:
     from sptransform.measure.layer import layer_flops, measure_shape
     from sptransform.passes.remat import RematOptions
 
-    shape = get_preset(args.model)
+    if args.recompute not in POLICIES:
+        raise ValueError(f"--recompute {args.recompute!r} is not a policy sptransform memory runs: "
+                         f"use one of {list(POLICIES)}")
+    if args.recompute == "budget" and args.budget is None:
+        raise ValueError(f"--recompute budget needs --budget: {_BUDGET_HELP}")
+    if args.budget is not None and args.recompute != "budget":
+        raise ValueError(f"--budget {args.budget:g} only applies with --recompute budget, not --recompute "
+                         f"{args.recompute}: add --recompute budget or drop --budget")
     if args.dtype not in DTYPES:
         raise ValueError(f"--dtype={args.dtype!r}: use one of {list(DTYPES)}")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    options = RematOptions(policy=args.recompute, budget=parse_budget(args.budget),
-                           recompute_collectives=args.recompute_collectives)
-    batch = args.batch or shape.paper_layout.get("micro_batch", 1)
-    start = time.perf_counter()
-    measured = measure_shape(shape, options=options, seq=args.seq, batch=batch, dtype=dtype,
-                             tp=args.tp, sp=args.sp, num_layers=2)
-    flops = layer_flops(measured)
-    elapsed = time.perf_counter() - start
-    report = summarize(measured, flops, elapsed)
+    shape = load_model(args.model)
+    batch = args.batch if args.batch is not None else shape.paper_layout.get("micro_batch", 1)
+    seq = args.seq if args.seq is not None else shape.seq_len
+    check_measurable(shape, tp=args.tp, sp=args.sp, seq=seq, batch=batch)
+    pipelined = args.pp > 1 or args.microbatches is not None or args.stages_per_rank is not None
     stored = args.stored_microbatches
     if stored is not None and (args.pp < 2 or args.recompute == "none"):
         raise ValueError(f"--stored-microbatches {stored} chooses which pipeline microbatches skip recomputation: "
                          "give --pp > 1 and a --recompute policy")
-    if args.pp > 1 or args.microbatches is not None or args.stages_per_rank is not None:
+    microbatches = args.microbatches if args.microbatches is not None else args.pp
+    if pipelined:
+        check_pipeline(shape, pp=args.pp, microbatches=microbatches, schedule=args.schedule,
+                       stages_per_rank=args.stages_per_rank)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    options = RematOptions(policy=args.recompute, budget=args.budget, recompute_collectives=args.recompute_collectives)
+    start = time.perf_counter()
+    measured = measure_shape(shape, options=options, seq=seq, batch=batch, dtype=dtype,
+                             tp=args.tp, sp=args.sp, num_layers=2)
+    flops = layer_flops(measured)
+    elapsed = time.perf_counter() - start
+    report = summarize(measured, flops, elapsed)
+    if pipelined:
         everything = None
         if stored is not None:  # what a microbatch that keeps every activation holds
-            everything = measure_shape(shape, options=RematOptions(policy="none"), seq=args.seq, batch=batch,
+            everything = measure_shape(shape, options=RematOptions(policy="none"), seq=seq, batch=batch,
                                        dtype=dtype, tp=args.tp, sp=args.sp, num_layers=2)
-        report["pipeline"] = pipeline_memory(measured, pp=args.pp, microbatches=args.microbatches or args.pp,
+        report["pipeline"] = pipeline_memory(measured, pp=args.pp, microbatches=microbatches,
                                              schedule=args.schedule, stages_per_rank=args.stages_per_rank,
                                              stored_microbatches=stored, fully_stored=everything)
     if args.json:
@@ -114,6 +165,47 @@ def run(args) -> int:
     else:
         print_report(report)
     return 0
+
+
+MAX_TRACED_ELEMENTS = 2**50
+"""The most elements one traced activation may have (fake tensors index with int64; this leaves
+room for the bytes of fp32 copies)."""
+
+
+def check_measurable(shape, *, tp: int, sp: bool, seq: int, batch: int) -> None:
+    """The rules of ``measure_shape`` worded with the command's flags, checked before tracing."""
+    if shape.num_heads % tp or shape.kv_heads % tp:
+        fitting = [t for t in range(1, shape.kv_heads + 1) if shape.num_heads % t == 0 and shape.kv_heads % t == 0]
+        raise ValueError(f"--tp {tp} does not divide the {shape.num_heads} attention heads / {shape.kv_heads} K/V "
+                         f"heads of {shape.name!r} (tensor parallelism splits whole heads): use --tp in {fitting}")
+    if sp and tp == 1:
+        raise ValueError("--sp needs --tp > 1 (sequence parallelism splits the sequence over the tensor-parallel "
+                         "ranks): add --tp, or drop --sp")
+    if sp and seq % tp:
+        raise ValueError(f"--seq {seq} is not divisible by --tp {tp}; sequence parallelism splits the sequence "
+                         f"evenly: use a multiple of {tp}, or drop --sp")
+    if shape.position == "learned" and seq > shape.seq_len:
+        raise ValueError(f"--seq {seq} is longer than the {shape.seq_len} learned positions of {shape.name!r}: "
+                         f"use --seq <= {shape.seq_len}")
+    tensors = {"logits [batch, seq, vocab]": batch * seq * shape.vocab_size,
+               "MLP activations [batch, seq, ffn]": batch * seq * shape.ffn * 2,
+               "QKV projections [batch, seq, 3 x hidden]": batch * seq * 3 * shape.hidden}
+    if shape.attention == "explicit":
+        tensors["attention scores [batch, heads, seq, seq]"] = batch * shape.num_heads * seq * seq
+    name, elements = max(tensors.items(), key=lambda item: item[1])
+    if elements > MAX_TRACED_ELEMENTS:
+        raise ValueError(f"--batch {batch} x --seq {seq}: the {name} of {shape.name!r} would hold {elements:.3g} "
+                         f"elements, more than the 2^{MAX_TRACED_ELEMENTS.bit_length() - 1} a traced tensor may "
+                         "have here: use a smaller --seq or --batch")
+
+
+def check_pipeline(shape, *, pp: int, microbatches: int, schedule: str, stages_per_rank: int | None) -> None:
+    """``--pp``, ``--microbatches``, ``--schedule`` and ``--stages-per-rank`` checked before tracing."""
+    spec, v = schedule_and_stages(schedule, stages_per_rank)
+    check_pipeline_size(pp, microbatches, v, spec.name)
+    if pp * v > shape.num_layers:
+        raise ValueError(f"{shape.name} has {shape.num_layers} layers, fewer than --pp x stages per rank = "
+                         f"{pp} x {v} = {pp * v} stages: use pp x stages_per_rank <= {shape.num_layers}")
 
 
 def pipeline_memory(m, *, pp: int, microbatches: int, schedule: str, stages_per_rank: int | None,
@@ -130,7 +222,7 @@ def pipeline_memory(m, *, pp: int, microbatches: int, schedule: str, stages_per_
     if pp < 1 or microbatches < 1:
         raise ValueError(f"--pp {pp} and --microbatches {microbatches} must be at least 1")
     spec = schedule_spec(schedule)
-    v = stages_per_rank or spec.default_stages_per_rank
+    v = stages_per_rank if stages_per_rank is not None else spec.default_stages_per_rank
     check_stages_per_rank(spec, v)
     stages, layers = pp * v, m.shape.num_layers
     if layers < stages:

@@ -20,10 +20,13 @@ from sptransform.planner.deepseek_chapter import (
 from sptransform.planner.flops import EQ8_NOTE, utilization
 from sptransform.planner.memory import GPU_BUCKETS
 from sptransform.planner.report import plan_json, plan_table, plot_plan
-from sptransform.planner.search import DEFAULT_ACHIEVED_FRACTION, SearchSpace, plan
+from sptransform.planner.search import DEFAULT_ACHIEVED_FRACTION, SEARCH_LIMITS, SearchSpace, plan
 from sptransform.planner.tables import TextTable, plot_stacked_bars, print_table
 from sptransform.planner.workload import StateBytes, Workload
-from sptransform.planner.presets import PRESETS, get_preset
+from sptransform.planner.presets import MAX_SIZE, PRESETS
+from sptransform.cli.args import (
+    float_type, fraction, int_type, load_model, non_negative_float, positive_float, positive_int,
+)
 
 SCENARIOS = ("deepseek-v3-chapter",)
 
@@ -32,37 +35,48 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser("plan", help="memory/FLOPs budgets per rank and the layouts that fit",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.set_defaults(run=run)
+    gpus = int_type(1, SEARCH_LIMITS["num_gpus"], why="the planner's search limit")
     what = parser.add_argument_group("model and cluster")
     what.add_argument("--model", help=f"a preset ({', '.join(sorted(PRESETS))}) or a HF config.json")
     what.add_argument("--scenario", choices=SCENARIOS, help="a worked example under its source's own assumptions")
     what.add_argument("--gpu", default="A100-80G", help=f"GPU preset: {', '.join(GPU_PRESETS)} (default A100-80G)")
-    what.add_argument("--gpus", type=int, default=8, help="GPUs in the cluster (default 8)")
-    what.add_argument("--gpus-per-node", type=int, default=8)
-    what.add_argument("--gpu-memory-gib", type=float, help="override the GPU's memory")
-    what.add_argument("--peak-tflops", type=float, help="override the GPU's dense 16-bit peak")
+    what.add_argument("--gpus", type=gpus, default=8,
+                      help=f"GPUs in the cluster (default 8; at most {SEARCH_LIMITS['num_gpus']:,})")
+    what.add_argument("--gpus-per-node", type=int_type(1, SEARCH_LIMITS["gpus_per_node"], why="the planner's search limit"),
+                      default=8, help="GPUs sharing a node's NVLink; tensor parallelism stays inside one (default 8)")
+    what.add_argument("--gpu-memory-gib", type=float_type(minimum=1e-3, maximum=2**20, example="80"),
+                      help="override the GPU's memory (GiB, 0.001 to 1,048,576)")
+    what.add_argument("--peak-tflops", type=float_type(minimum=1e-3, maximum=1e6, example="989"),
+                      help="override the GPU's dense 16-bit peak (TFLOP/s, 0.001 to 1,000,000)")
     batch = parser.add_argument_group("workload")
-    batch.add_argument("--global-batch", type=int, help="sequences per iteration over all replicas (required)")
-    batch.add_argument("--seq-len", type=int, help="default: the model's")
+    batch.add_argument("--global-batch", type=int_type(1, SEARCH_LIMITS["global_batch"], why="the planner's search limit"),
+                       help=f"sequences per iteration over all replicas (required; at most {SEARCH_LIMITS['global_batch']:,})")
+    batch.add_argument("--seq-len", type=int_type(1, MAX_SIZE, why="the largest sequence a model shape may have"),
+                       help="tokens per sequence (default: the model's)")
     batch.add_argument("--ema", choices=("none", "gpu", "host"), default="none", help="fp32 EMA of the weights")
-    batch.add_argument("--grad-bytes", type=float, default=2, help="bytes per gradient (2; 6 keeps an fp32 copy)")
-    batch.add_argument("--optimizer-bytes", type=float, default=12, help="ZeRO's K (12 for mixed-precision Adam)")
-    fixed = parser.add_argument_group("layout (each pins an axis of the search; several values allowed)")
-    fixed.add_argument("--tp", type=int, nargs="+")
-    fixed.add_argument("--pp", type=int, nargs="+")
+    batch.add_argument("--grad-bytes", type=float_type(minimum=0, maximum=64, example="2"), default=2,
+                       help="bytes per gradient (2; 6 keeps an fp32 copy)")
+    batch.add_argument("--optimizer-bytes", type=float_type(minimum=0, maximum=64, example="12"), default=12,
+                       help="ZeRO's K (12 for mixed-precision Adam)")
+    fixed = parser.add_argument_group("layout (each pins an axis of the search; several values allowed; "
+                                      f"at most {SEARCH_LIMITS['layouts']:,} layouts are evaluated)")
+    fixed.add_argument("--tp", type=gpus, nargs="+", help="tensor-parallel sizes (default: the divisors of --gpus-per-node)")
+    fixed.add_argument("--pp", type=gpus, nargs="+", help="pipeline sizes (default: every one that divides)")
     fixed.add_argument("--zero", type=int, nargs="+", choices=(0, 1, 2, 3), default=(0, 1, 2, 3))
     fixed.add_argument("--recompute", nargs="+", choices=PLANNED_POLICIES, default=PLANNED_POLICIES)
-    fixed.add_argument("--micro-batch", type=int, nargs="+", default=(1, 2, 4, 8))
+    fixed.add_argument("--micro-batch", type=positive_int, nargs="+", default=(1, 2, 4, 8))
     fixed.add_argument("--sp", choices=("on", "off", "both"), default="both", help="sequence parallelism")
-    fixed.add_argument("--interleave", type=int, nargs="+", default=(1,), help="model chunks per pipeline rank (m)")
+    fixed.add_argument("--interleave", type=positive_int, nargs="+", default=(1,), help="model chunks per pipeline rank (m)")
     fixed.add_argument("--colocate-embedding-head", action="store_true",
                        help="embedding and head on the same pipeline rank")
     how = parser.add_argument_group("estimate and output")
-    how.add_argument("--achieved", type=float, default=DEFAULT_ACHIEVED_FRACTION,
-                     help=f"share of peak sustained on hardware FLOPs (default {DEFAULT_ACHIEVED_FRACTION})")
-    how.add_argument("--reserve-gib", type=float, default=0.0, help="GPU memory kept free for the runtime")
-    how.add_argument("--iteration-time", type=float,
-                     help="a measured iteration time: report its MFU/HFU instead of searching")
-    how.add_argument("--top", type=int, default=10, help="layouts shown")
+    how.add_argument("--achieved", type=fraction, default=DEFAULT_ACHIEVED_FRACTION,
+                     help=f"share of peak sustained on hardware FLOPs, in (0, 1] (default {DEFAULT_ACHIEVED_FRACTION})")
+    how.add_argument("--reserve-gib", type=non_negative_float, default=0.0,
+                     help="GPU memory kept free for the runtime (GiB, >= 0, below the GPU's memory; default 0)")
+    how.add_argument("--iteration-time", type=positive_float,
+                     help="a measured iteration time in seconds: report its MFU/HFU instead of searching")
+    how.add_argument("--top", type=positive_int, default=10, help="layouts shown (default 10)")
     how.add_argument("--json", action="store_true", help="print JSON instead of a table")
     how.add_argument("--plot", metavar="FILE.png", help="stacked memory bars per layout with the GPU memory line")
 
@@ -72,12 +86,18 @@ def run(args) -> int:
         return _run_chapter(args)
     if not args.model:
         raise ValueError("plan needs --model (a preset or a HF config.json) or --scenario")
-    shape = get_preset(args.model)
+    shape = load_model(args.model)
     gpu = custom_gpu(base=get_gpu(args.gpu), memory_gib=args.gpu_memory_gib, peak_tflops=args.peak_tflops)
+    if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
+        raise ValueError(f"--gpus {args.gpus} is not a whole number of nodes of --gpus-per-node {args.gpus_per_node}: "
+                         f"use a multiple of {args.gpus_per_node}")
     cluster = Cluster(gpu=gpu, num_gpus=args.gpus, gpus_per_node=args.gpus_per_node)
     if args.global_batch is None:
         raise ValueError("plan needs --global-batch (sequences per iteration over all replicas)")
-    workload = Workload(global_batch=args.global_batch, seq_len=args.seq_len or shape.seq_len, ema=args.ema,
+    if args.reserve_gib * GIB >= gpu.memory_bytes:
+        raise ValueError(f"--reserve-gib {args.reserve_gib:g} leaves nothing of the {gpu.name}'s "
+                         f"{gpu.memory_bytes / GIB:g} GiB: reserve less than that")
+    workload = Workload(global_batch=args.global_batch, seq_len=shape.seq_len if args.seq_len is None else args.seq_len, ema=args.ema,
                         state_bytes=StateBytes(gradients=args.grad_bytes, optimizer=args.optimizer_bytes))
     if args.iteration_time is not None:
         return _run_measured(args, shape, cluster, workload)
@@ -105,6 +125,12 @@ def _run_measured(args, shape, cluster, workload) -> int:
     measured = utilization(shape, iteration_time_s=args.iteration_time, num_gpus=cluster.num_gpus,
                            peak_flops=cluster.gpu.peak_flops, global_batch=workload.global_batch,
                            seq_len=workload.seq_len, recompute=args.recompute[0])
+    if measured.hfu > 1:
+        raise ValueError(
+            f"--iteration-time {args.iteration_time:g} s would run {100 * measured.hfu:.0f}% of the peak of "
+            f"{cluster.num_gpus} x {cluster.gpu.name} ({cluster.gpu.peak_flops / 1e12:g} TFLOP/s each): "
+            "no run is faster than its hardware; check --iteration-time, --gpus and --peak-tflops"
+        )
     if args.json:
         print(json.dumps({"model": shape.name, "recompute": args.recompute[0], **asdict(measured),
                           "hfu_eq8_note": EQ8_NOTE}, indent=2))

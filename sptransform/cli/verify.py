@@ -36,16 +36,21 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import math
 import os
-import re
 import sys
 
+from sptransform.cli.args import int_type, non_negative_float, positive_float
 from sptransform.equivalence import verify
 from sptransform.planner.presets import PRESETS
 
 DEFAULT_LAYERS = 2
 HEAD_DIM = 8
+MAX_RANKS = 64
+"""Simulated tp ranks, and pp x tp spawned processes, at most."""
+MAX_LAYERS = 1024
+MAX_TOKENS = 2**20
+"""batch x seq of the token inputs, at most."""
+MAX_STEPS = 10_000
 
 
 def register(subparsers) -> None:
@@ -54,41 +59,23 @@ def register(subparsers) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.set_defaults(run=run)
-
-    def one_line_error(message: str):  # argparse's own errors: one line, exit 2, no usage block
-        print(f"sptransform verify: error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-    parser.error = one_line_error
-    # numbers are read as text and checked in run(), so a bad one is a one-line error and exit 2
     parser.add_argument("--model", help=f"a preset ({', '.join(sorted(PRESETS))}), a HF config.json, or module:factory")
-    parser.add_argument("--tp", help="tensor-parallel degree (simulated ranks)")
+    parser.add_argument("--tp", type=int_type(1, MAX_RANKS, why="simulated ranks in one process"),
+                        help=f"tensor-parallel degree (simulated ranks; required; at most {MAX_RANKS})")
     parser.add_argument("--no-sp", dest="sp", action="store_false", help="without sequence parallelism")
-    parser.add_argument("--pp", default="1", help="pipeline ranks: pp x tp real gloo processes (default 1)")
-    parser.add_argument("--layers", help=f"layers of a preset or config.json model (default {DEFAULT_LAYERS})")
-    parser.add_argument("--seq", help="sequence length (default 8 x tp)")
-    parser.add_argument("--batch", help="batch size (default 2)")
-    parser.add_argument("--steps", default="1", help="SGD steps (default 1)")
-    parser.add_argument("--rtol", default="1e-4", help="largest relative error of a row that is ok (default 1e-4)")
-    parser.add_argument("--timeout", default="600", help="with --pp: seconds before the processes are killed")
-
-
-def positive_int(name: str, text: str | None, default: int | None = None) -> int | None:
-    if text is None:
-        return default
-    if not re.fullmatch(r"\s*\+?[0-9]+\s*", str(text)) or int(text) < 1:
-        raise ValueError(f"{name} {text!r} must be a positive integer")
-    return int(text)
-
-
-def finite_float(name: str, text: str, *, positive: bool = False) -> float:
-    try:
-        value = float(text)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} {text!r} must be a number") from None
-    if not math.isfinite(value) or value < 0 or (positive and value == 0):
-        raise ValueError(f"{name} {text!r} must be a finite number {'> 0' if positive else '>= 0'}")
-    return value
+    parser.add_argument("--pp", type=int_type(1, MAX_RANKS, why="pp x tp processes are spawned"), default=1,
+                        help=f"pipeline ranks: pp x tp real gloo processes (default 1; pp x tp at most {MAX_RANKS})")
+    parser.add_argument("--layers", type=int_type(1, MAX_LAYERS, why="the model is built for real"),
+                        help=f"layers of a preset or config.json model (default {DEFAULT_LAYERS}; at most {MAX_LAYERS})")
+    parser.add_argument("--seq", type=int_type(1, MAX_TOKENS, why="the inputs are real tensors"),
+                        help="sequence length (default 8 x tp)")
+    parser.add_argument("--batch", type=int_type(1, MAX_TOKENS, why="the inputs are real tensors"),
+                        help=f"batch size (default 2; batch x seq at most {MAX_TOKENS:,} tokens)")
+    parser.add_argument("--steps", type=int_type(1, MAX_STEPS), default=1, help="SGD steps (default 1)")
+    parser.add_argument("--rtol", type=non_negative_float, default=1e-4,
+                        help="largest relative error of a row that is ok, a finite number >= 0 (default 1e-4)")
+    parser.add_argument("--timeout", type=positive_float, default=600.0,
+                        help="with --pp: seconds before the processes are killed (default 600)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,14 +83,15 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--model is required: a preset, a HF config.json, or module:factory")
     if args.tp is None:
         raise ValueError("--tp is required: the tensor-parallel degree to verify")
-    tp = positive_int("--tp", args.tp)
-    pp = positive_int("--pp", args.pp)
-    layers = positive_int("--layers", args.layers)
-    seq = positive_int("--seq", args.seq)
-    batch = positive_int("--batch", args.batch)
-    steps = positive_int("--steps", args.steps)
-    rtol = finite_float("--rtol", args.rtol)
-    timeout = finite_float("--timeout", args.timeout, positive=True)
+    tp, pp, layers, seq, batch = args.tp, args.pp, args.layers, args.seq, args.batch
+    steps, rtol, timeout = args.steps, args.rtol, args.timeout
+    if pp * tp > MAX_RANKS:
+        raise ValueError(f"--pp {pp} x --tp {tp} = {pp * tp} processes is above the limit of {MAX_RANKS}: "
+                         "use fewer ranks")
+    tokens = (batch or 2) * (seq or 8 * tp)
+    if tokens > MAX_TOKENS:
+        raise ValueError(f"--batch {batch or 2} x --seq {seq or 8 * tp} = {tokens:,} tokens is above the limit of "
+                         f"{MAX_TOKENS:,} (the inputs and activations are real tensors): use a smaller --batch or --seq")
 
     import torch
 

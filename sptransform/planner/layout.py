@@ -92,10 +92,11 @@ def _schedule_problem(shape: ModelShape, layout: Layout, *, workload: Workload, 
     chunks = layout.pp * layout.interleave
     if shape.num_layers % chunks:
         fitting = [p for p in divisors(max_stages) if shape.num_layers % (p * layout.interleave) == 0]
+        fix = (f"use pp in {fitting}" if fitting else
+               f"use an interleave that divides {shape.num_layers}, e.g. 1")
         return (
             f"pp x interleave = {layout.pp} x {layout.interleave} = {chunks} does not divide "
-            f"num_layers={shape.num_layers} of {shape.name!r} (every stage needs the same number of layers); "
-            f"use pp in {fitting}"
+            f"num_layers={shape.num_layers} of {shape.name!r} (every stage needs the same number of layers); {fix}"
         )
     per_step = layout.dp * layout.micro_batch
     if workload.global_batch % per_step:

@@ -11,6 +11,7 @@ under 1F1B, and the interleaved schedule's ``1 + (pp - 1) / (pp * m)`` more.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 
 from sptransform.planner.activations import activation_bytes_per_layer
@@ -139,17 +140,22 @@ def _vocab_params(shape: ModelShape, layout: Layout, *, first: bool, holds_head:
     return count.per_rank(layout.tp)
 
 
+@functools.lru_cache(maxsize=4096)  # the search asks for the same layer under every ZeRO stage, dp and pp
+def _layer_bytes(shape: ModelShape, **kwargs) -> float:
+    return activation_bytes_per_layer(shape, **kwargs)
+
+
 def _stage_activations(shape, layout: Layout, *, workload: Workload, stage: int, holds_head: bool) -> float:
     """Stored layer activations, the transient recompute working set, and the
     embedding/head activations (Korthikanti et al. section 4.3)."""
     common = dict(tp=layout.tp, sp=layout.sequence_parallel, micro_batch=layout.micro_batch,
                   seq_len=workload.seq_len, dtype_bytes=workload.activation_bytes)
-    per_layer = activation_bytes_per_layer(shape, recompute=layout.recompute, **common)
+    per_layer = _layer_bytes(shape, recompute=layout.recompute, **common)
     microbatches = layout.num_microbatches(workload)
     stored = per_layer * layers_in_flight(num_layers=shape.num_layers, pp=layout.pp, interleave=layout.interleave,
                                           stage=stage, num_microbatches=microbatches)
     # Backward of a recomputed layer rebuilds what the policy dropped, one layer at a time.
-    working_set = activation_bytes_per_layer(shape, recompute="none", **common) - per_layer
+    working_set = _layer_bytes(shape, recompute="none", **common) - per_layer
     tokens = layout.micro_batch * workload.seq_len
     sequence_split = layout.tp if layout.sequence_parallel else 1
     extra = 0.0

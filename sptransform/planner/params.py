@@ -8,6 +8,7 @@ position embeddings are replicated.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ def _norm_params(shape: ModelShape) -> int:
     return 2 * shape.hidden if shape.norm == "layernorm" else shape.hidden
 
 
+@functools.lru_cache(maxsize=256)  # the search asks once per layout and stage
 def layer_params(shape: ModelShape) -> ShardableCount:
     """One transformer layer: attention, MLP and its two norms."""
     h, f = shape.hidden, shape.ffn
@@ -71,5 +73,10 @@ def total_params(shape: ModelShape) -> int:
 
 
 def divisors(n: int) -> list[int]:
+    return list(_divisors(n))
+
+
+@functools.lru_cache(maxsize=256)
+def _divisors(n: int) -> tuple[int, ...]:  # the search asks for the same few numbers thousands of times
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
+    return tuple(sorted(set(small + [n // d for d in small])))

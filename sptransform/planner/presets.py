@@ -10,6 +10,8 @@ dropout, GELU MLP of width 4h, LayerNorm, learned positions).
 from __future__ import annotations
 
 import json
+import math
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
@@ -52,6 +54,9 @@ class ModelShape:
     paper_layout: dict = field(default_factory=dict, compare=False)
     """Paper Table 3 layout (tp, pp, gpus, global batch, micro batch), when known."""
 
+    def __post_init__(self):
+        check_shape(self)
+
     @property
     def kv_heads(self) -> int:
         return self.num_kv_heads or self.num_heads
@@ -69,9 +74,77 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, path: str | Path) -> "ModelShape":
-        """Read a HF ``config.json`` (GPT-2 or Llama-style field names)."""
-        data = json.loads(Path(path).read_text())
-        return shape_from_hf_dict(data, name=Path(path).stem)
+        """Read a HF ``config.json`` (GPT-2 or Llama-style field names), or a folder holding one."""
+        return load_hf_config(path)
+
+
+MAX_SIZE = 2**24
+"""The largest layer count, width, head count, vocabulary or sequence length a shape may have
+(16,777,216: far above any real model; products of a few such sizes still fit int64, which the
+traced fake tensors of ``sptransform memory`` need)."""
+
+_SIZE_FIELDS = ("num_layers", "hidden", "num_heads", "num_kv_heads", "ffn_hidden", "vocab_size", "seq_len")
+_CHOICES = {
+    "norm": ("layernorm", "rmsnorm"), "activation": ("gelu", "swiglu"), "position": ("learned", "rope"),
+    "attention": ("explicit", "sdpa"), "qkv_projection": ("fused", "separate"),
+}
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_shape(shape: ModelShape) -> None:
+    """Raise ``ValueError`` naming the field, the rule and the fix when ``shape`` is not a model:
+    sizes are integers in [1, ``MAX_SIZE``] (``vocab_size`` may be 0: no embedding or head;
+    ``num_kv_heads`` and ``ffn_hidden`` may be ``None``: the defaults), ``hidden`` is divisible
+    by ``num_heads``, ``num_heads`` by ``num_kv_heads``, RoPE needs an even head size, and
+    dropout is in [0, 1)."""
+    where = f"model shape {shape.name!r}"
+    for name in _SIZE_FIELDS:
+        value = getattr(shape, name)
+        if value is None and name in ("num_kv_heads", "ffn_hidden"):
+            continue
+        smallest = 0 if name == "vocab_size" else 1
+        if not _is_int(value) or not smallest <= value <= MAX_SIZE:
+            raise ValueError(f"{where}: {name}={value!r} must be an integer in [{smallest}, {MAX_SIZE:,}]")
+    _check_divisible(where, ("hidden", shape.hidden), ("num_heads", shape.num_heads),
+                     ("num_kv_heads", shape.kv_heads), rope=shape.position == "rope")
+    for name, allowed in _CHOICES.items():
+        if getattr(shape, name) not in allowed:
+            raise ValueError(f"{where}: {name}={getattr(shape, name)!r} is not one of {list(allowed)}")
+    if not isinstance(shape.dropout, (int, float)) or isinstance(shape.dropout, bool) \
+            or not 0 <= shape.dropout < 1:
+        raise ValueError(f"{where}: dropout={shape.dropout!r} must be a probability in [0, 1)")
+
+
+def _nearest_divisors(n: int, near: int, *, count: int = 2) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    every = set(small + [n // d for d in small])
+    return sorted(sorted(every, key=lambda d: (abs(d - near), -d))[:count])
+
+
+def _check_divisible(where: str, hidden: tuple[str, int], heads: tuple[str, int], kv_heads: tuple[str, int],
+                     *, rope: bool) -> None:
+    """The rules a transformer's attention shape obeys, worded with the caller's field names."""
+    (hidden_name, h), (heads_name, a), (kv_name, kv) = hidden, heads, kv_heads
+    if h % a:
+        raise ValueError(
+            f"{where}: {hidden_name}={h} is not divisible by {heads_name}={a} (every head gets "
+            f"{hidden_name} / {heads_name} features): use a head count that divides {h}, "
+            f"e.g. {' or '.join(map(str, _nearest_divisors(h, a)))}"
+        )
+    if kv > a or a % kv:
+        fitting = sorted(_nearest_divisors(a, kv, count=6))
+        raise ValueError(
+            f"{where}: {heads_name}={a} is not divisible by {kv_name}={kv} (query heads share K/V heads in "
+            f"equal groups): use {kv_name} in {fitting}"
+        )
+    if rope and (h // a) % 2:
+        raise ValueError(
+            f"{where}: the head size {hidden_name} / {heads_name} = {h} / {a} = {h // a} is odd, and rotary "
+            "position embeddings rotate pairs of features: use a head count that leaves an even head size"
+        )
 
 
 _HF_FIELDS = {
@@ -79,37 +152,98 @@ _HF_FIELDS = {
     "hidden": ("hidden_size", "n_embd"),
     "num_heads": ("num_attention_heads", "n_head"),
 }
+_HF_OPTIONAL_SIZES = {
+    "num_kv_heads": ("num_key_value_heads",),
+    "ffn_hidden": ("intermediate_size", "n_inner"),
+    "vocab_size": ("vocab_size",),
+    "seq_len": ("max_position_embeddings", "n_positions"),
+}
+
+
+def _hf_size(data: dict, keys: tuple[str, ...], where: str, *, required_for: str | None = None):
+    """(key, value) of the first of ``keys`` present (and not null when optional); ``(None, None)``
+    when none is."""
+    present = [k for k in keys if k in data and (required_for or data[k] is not None)]
+    if not present:
+        if required_for:
+            raise ValueError(f"{where} has none of the fields {list(keys)} needed for {required_for}; "
+                             "add one of them to the config")
+        return None, None
+    key = present[0]
+    value = data[key]
+    if not _is_int(value) or not 1 <= value <= MAX_SIZE:
+        shown = "null" if value is None else json.dumps(value)
+        raise ValueError(f"{where}: field {key!r} is {shown}; it must be a positive integer "
+                         f"(at most {MAX_SIZE:,}): write e.g. \"{key}\": {_EXAMPLES.get(key, 8)}")
+    return key, value
+
+
+_EXAMPLES = {"num_hidden_layers": 12, "n_layer": 12, "hidden_size": 768, "n_embd": 768, "num_attention_heads": 12,
+             "n_head": 12, "num_key_value_heads": 4, "intermediate_size": 3072, "n_inner": 3072,
+             "vocab_size": 50257, "max_position_embeddings": 1024, "n_positions": 1024}
 
 
 def shape_from_hf_dict(data: dict, *, name: str = "hf-config") -> ModelShape:
-    """Build a ``ModelShape`` from a HF config dictionary; errors name the missing field."""
-    values = {}
-    for ours, theirs in _HF_FIELDS.items():
-        found = [data[k] for k in theirs if k in data]
-        if not found:
-            raise ValueError(
-                f"config {name!r} has none of the fields {list(theirs)} needed for {ours}; "
-                "add one of them to the config"
-            )
-        values[ours] = int(found[0])
+    """Build a ``ModelShape`` from a HF config dictionary. Every field read is checked (present
+    where needed, a positive integer, heads dividing hidden and K/V heads dividing heads); an
+    error names the config's own field."""
+    where = f"config {name!r}"
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} is a JSON {type(data).__name__}, not an object: "
+                         "a HF config.json holds one object of fields")
+    found = {ours: _hf_size(data, theirs, where, required_for=ours) for ours, theirs in _HF_FIELDS.items()}
+    found.update({ours: _hf_size(data, theirs, where) for ours, theirs in _HF_OPTIONAL_SIZES.items()})
+    values = {ours: value for ours, (_, value) in found.items() if value is not None}
+    kv_key, _ = found["num_kv_heads"]
+    _check_divisible(where, (found["hidden"][0], values["hidden"]), (found["num_heads"][0], values["num_heads"]),
+                     (kv_key or found["num_heads"][0], values.get("num_kv_heads", values["num_heads"])),
+                     rope="rope_theta" in data or "rope_scaling" in data)
+    dropout_key = next((k for k in ("attn_pdrop", "attention_dropout") if data.get(k) is not None), None)
+    dropout = data[dropout_key] if dropout_key else 0.0
+    if dropout_key and (not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0 <= dropout < 1):
+        raise ValueError(f"{where}: field {dropout_key!r} is {json.dumps(dropout)}; it must be a probability "
+                         f"in [0, 1): write e.g. \"{dropout_key}\": 0.1")
+    tied = data.get("tie_word_embeddings", True)
+    if not isinstance(tied, bool):
+        raise ValueError(f"{where}: field 'tie_word_embeddings' is {json.dumps(tied)}; write true or false")
     is_llama_like = "intermediate_size" in data or data.get("hidden_act") == "silu"
-    ffn = data.get("intermediate_size") or data.get("n_inner")
     return ModelShape(
         name=name,
-        num_kv_heads=data.get("num_key_value_heads"),
-        ffn_hidden=int(ffn) if ffn else None,
-        vocab_size=int(data.get("vocab_size", 51200)),
-        seq_len=int(data.get("max_position_embeddings") or data.get("n_positions") or 2048),
         norm="rmsnorm" if "rms_norm_eps" in data else "layernorm",
         activation="swiglu" if is_llama_like else "gelu",
         position="rope" if "rope_theta" in data or "rope_scaling" in data else "learned",
         attention="sdpa" if data.get("_attn_implementation", data.get("attn_implementation")) == "sdpa" else "explicit",
-        dropout=float(data.get("attn_pdrop", data.get("attention_dropout", 0.0)) or 0.0),
+        dropout=float(dropout),
         bias=not is_llama_like,
         qkv_projection="separate" if is_llama_like else "fused",
-        tied_embeddings=bool(data.get("tie_word_embeddings", True)),
+        tied_embeddings=tied,
         **values,
     )
+
+
+def load_hf_config(path: str | Path) -> ModelShape:
+    """Read and check a HF ``config.json`` (or the ``config.json`` in a folder); every problem with
+    the file is a ``ValueError`` that names it."""
+    path = Path(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{str(path)!r} is a folder without a config.json: give the path of a HF config.json")
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{str(path)!r}: no such file" + ("" if path.exists() else
+                                                            "; give the path of a HF config.json"))
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise ValueError(f"{str(path)!r} is not a text file: give a HF config.json") from None
+    except OSError as error:
+        raise ValueError(f"cannot read {str(path)!r} ({error.strerror}): give a readable HF config.json") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{str(path)!r} is not valid JSON ({error.msg} at line {error.lineno} column "
+                         f"{error.colno}): fix the file, a HF config.json holds one object of fields") from None
+    return shape_from_hf_dict(data, name=path.stem)
 
 
 def _paper(name, a, h, L, t, p, gpus, gbs, mbs):
@@ -150,11 +284,13 @@ PRESETS: dict[str, ModelShape] = {
 
 
 def get_preset(name: str) -> ModelShape:
-    """Look a preset up by name, or read a HF ``config.json`` when given a path."""
+    """Look a preset up by name, or read a HF ``config.json`` (or a folder holding one) when given
+    a path; ``ValueError`` names what is wrong."""
     if name in PRESETS:
         return PRESETS[name]
-    if name.endswith(".json") and Path(name).exists():
-        return ModelShape.from_hf_config(name)
+    path = Path(name)
+    if path.exists() or name.endswith(".json") or "/" in name or os.sep in name:
+        return load_hf_config(path)
     raise ValueError(
         f"unknown model {name!r}: use one of {sorted(PRESETS)} or a path to a HF config.json"
     )

@@ -98,7 +98,7 @@ def test_heads_that_tp_cannot_split_are_named(capsys):
     (["plan", "--model", "gpt2", "--gpu", "V100", "--global-batch", "8"], "unknown GPU 'V100'"),
     (["flops", "--model", "gpt2", "--gpu", "TPU"], "unknown GPU 'TPU'"),
     (["plan", "--model", "gpt2"], "plan needs --global-batch"),
-    (["plan", "--model", "gpt2", "--gpus", "12", "--global-batch", "8"], "num_gpus=12 is not a whole number"),
+    (["plan", "--model", "gpt2", "--gpus", "12", "--global-batch", "8"], "--gpus 12 is not a whole number of nodes"),
 ])
 def test_unknown_names_and_missing_values_fail_clearly(capsys, argv, message):
     code, _, err = run(argv, capsys)
