@@ -20,7 +20,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.export.graph_signature import InputKind, OutputKind
 
-from sptransform.torch_internals import FakeTensor, FakeTensorMode, pytree
+from sptransform.torch_internals import FakeTensor, FakeTensorMode, free_unbacked_symbols, pytree
 
 
 @dataclass
@@ -113,6 +113,8 @@ def capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph:
             )
         constants[name] = value
     _drop_export_asserts(ep.graph_module)
+    _refuse_data_dependent_shapes(ep.graph_module)
+    _refuse_custom_autograd_functions(template, fake_args, fake_kwargs)
     num_user = sum(1 for s in signature.input_specs if s.kind == InputKind.USER_INPUT)
     return CapturedGraph(
         gm=ep.graph_module,
@@ -144,3 +146,62 @@ def input_signature(args: tuple, kwargs: dict) -> tuple:
         else:
             key.append(("V", repr(x)))
     return (str(spec), tuple(key))
+
+
+def _refuse_data_dependent_shapes(gm: fx.GraphModule) -> None:
+    """Shapes that depend on the data (token routing with ``nonzero``, boolean masks) differ
+    from rank to rank and step to step: name every op that makes one."""
+    from sptransform.graph.sharding import describe
+
+    sites = []
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and free_unbacked_symbols(value):
+            if not any(free_unbacked_symbols(a.meta.get("val")) for a in node.all_input_nodes
+                       if isinstance(a.meta.get("val"), torch.Tensor)):
+                sites.append(describe(node))
+    if sites:
+        raise ValueError(
+            "the model's forward makes tensors whose shape depends on the data (e.g. routing tokens to experts "
+            "with nonzero or a boolean mask), which sptransform cannot split; write the routing with fixed "
+            "shapes (e.g. a dense dispatch with masks or capacity-padded expert batches). Made by:\n  "
+            + "\n  ".join(sites)
+        )
+
+
+# Functions of torch whose backward is the forward's own vector-Jacobian product (recomputation),
+# so tracing their forward alone loses nothing.
+_EXACT_BACKWARD = ("torch.utils.checkpoint.CheckpointFunction",)
+
+
+def _refuse_custom_autograd_functions(template: "FakeTemplate", args: tuple, kwargs: dict) -> None:
+    """``torch.export`` traces a custom ``torch.autograd.Function``'s forward and drops its
+    backward, so the parallel model would differentiate the forward instead. Run the fake copy
+    once with autograd on and name every such function its graph holds."""
+    with template.fake_mode, torch.enable_grad():
+        try:
+            outputs = template.module(*args, **kwargs)
+        except Exception:  # export traced it; a plain fake run failing here says nothing new
+            return
+    found: dict[str, str] = {}
+    seen, stack = set(), [t.grad_fn for t in pytree.tree_leaves(outputs)
+                          if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        forward_cls = getattr(fn, "_forward_cls", None)
+        if forward_cls is not None:
+            name = f"{forward_cls.__module__}.{forward_cls.__qualname__}"
+            if name not in _EXACT_BACKWARD:
+                code = getattr(forward_cls.backward, "__code__", None)
+                found[name] = f"{code.co_filename}:{code.co_firstlineno}" if code is not None else "?"
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    if found:
+        raise ValueError(
+            "the model calls custom torch.autograd.Function(s) whose backward torch.export does not keep "
+            "(the parallel model would use the plain gradient of their forward instead): "
+            + "; ".join(f"{name} (backward at {where})" for name, where in sorted(found.items()))
+            + ". Write the forward with ordinary torch ops, or keep the function outside the model"
+        )

@@ -23,7 +23,7 @@ LAYERS = [
     ("sptransform.runtime", 3),
     ("sptransform.graph", 2),
     ("sptransform.planner", 1),
-    ("sptransform.capture", 1),
+    ("sptransform.capture", 2),
     ("sptransform.options", 0),
     ("sptransform.torch_internals", 0),
 ]

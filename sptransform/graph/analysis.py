@@ -359,6 +359,7 @@ def analyze(captured: CapturedGraph, tp: int) -> ModelAnalysis:
     derived = set(_forward_closure(list(linears)))
     regions: list[Region] = []
     failures: dict[fx.Node, ShardingError] = {}
+    indivisible: list[str] = []
     for node, lm in linears.items():
         try:
             structure = trace_region(graph, lm, linears, derived, 1)
@@ -368,7 +369,10 @@ def analyze(captured: CapturedGraph, tp: int) -> ModelAnalysis:
         try:
             regions.append(trace_region(graph, lm, linears, derived, tp))
         except ShardingError as err:
-            raise ShardingError(_divisibility_message(graph, lm, linears, derived, tp, structure, err)) from None
+            indivisible.append(_divisibility_message(graph, lm, linears, derived, tp, structure, err))
+    if indivisible:  # every block that tp does not divide, at once
+        raise ShardingError(indivisible[0] if len(indivisible) == 1 else
+                            f"{len(indivisible)} blocks cannot be split over tp={tp}:\n  " + "\n  ".join(indivisible))
     assigned = {r.row.node for r in regions} | {c for r in regions for c in r.columns}
     seen_columns: set[fx.Node] = set()
     for r in regions:

@@ -82,12 +82,83 @@ def apply_placements(
         if node.op == "call_function":
             _localize(gm, node, prop, plan)
     moved = _redistribute(gm, prop, grads, plan)
+    check_local_shapes(gm, prop, [n for n in originals if n.op == "call_function"], plan)
     _add_fs(gm, grads, moved, plan)
     _bucket_parameters(gm, grads.partial_params, params, plan, layer_rows)
     _outputs(gm, prop, plan)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+# ---------------------------------------------------------------------------
+# the safety net
+
+
+def _local_value(value, placement, tp: int):
+    """A fake tensor of the local shape ``placement`` gives ``value`` (a global fake tensor)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    shape = list(value.shape)
+    if isinstance(placement, DimShard):
+        shape[placement.dim] = placement.local_size(tp)
+    return torch.empty(shape, dtype=value.dtype, device=value.device)
+
+
+def check_local_shapes(gm: fx.GraphModule, prop: Propagation, nodes: list[fx.Node], plan: ParallelPlan) -> None:
+    """Run each op of ``nodes`` alone on fake tensors of the local shapes its inputs have after the
+    rewrite, and compare its output with the local shape its placement promises. An op whose
+    size arguments still hold global sizes fails here, by name, instead of computing on the
+    wrong elements. Raises ``ShardingError`` listing every such op."""
+    from sptransform.torch_internals import FakeTensorMode, maybe_disable_local_tensor_mode
+
+    def placement_of(n: fx.Node):
+        if n in prop.placement:
+            return prop.placement[n]
+        return n.meta.get("sptransform_spec", REPLICATED)  # a redistribution: its target
+
+    problems = []
+    with maybe_disable_local_tensor_mode(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        for node in nodes:
+            expected = prop.placement.get(node)
+            if expected is None or node.target in _SKIP_SHAPE_CHECK:
+                continue
+
+            def local(a):
+                if not isinstance(a, fx.Node):
+                    return a
+                if a.op == "get_attr":
+                    return getattr(gm, a.target)
+                if a is plan.rank:
+                    return torch.zeros((), dtype=torch.long)
+                value = a.meta.get("val")
+                if isinstance(value, (tuple, list)):
+                    return [_local_value(v, p, plan.tp) for v, p in zip(value, placement_of(a))]
+                return _local_value(mode.from_tensor(value) if isinstance(value, torch.Tensor) else value,
+                                    placement_of(a), plan.tp)
+
+            try:
+                args, kwargs = fx.node.map_arg((node.args, node.kwargs), local)
+                out = node.target(*args, **kwargs)
+            except Exception as err:  # the op cannot even run on the local shapes
+                problems.append(f"{describe(node)}: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
+                continue
+            values = out if isinstance(out, (tuple, list)) else [out]
+            wanted = expected if isinstance(expected, tuple) else [expected]
+            globals_ = node.meta.get("val")
+            globals_ = globals_ if isinstance(globals_, (tuple, list)) else [globals_]
+            for got, placement, value in zip(values, wanted, globals_):
+                if not isinstance(got, torch.Tensor) or not isinstance(value, torch.Tensor):
+                    continue
+                want = list(_local_value(mode.from_tensor(value), placement, plan.tp).shape)
+                if list(got.shape) != want:
+                    problems.append(f"{describe(node)}: its local output has shape {list(got.shape)}, its placement "
+                                    f"{placement} needs {want} (a size argument sptransform does not localize)")
+    if problems:
+        raise ShardingError("the parallel graph would compute on wrong shapes; no rule covers:\n  " + "\n  ".join(problems))
+
+
+_SKIP_SHAPE_CHECK = (narrow_vocab,)  # rank-dependent width: checked by the output's DTensor
 
 
 # ---------------------------------------------------------------------------
