@@ -324,7 +324,10 @@ def dispatch_args(node: fx.Node) -> tuple[tuple[Any, ...], dict[str, Any]]:
     Nodes whose target is not an ``OpOverload`` come back unchanged."""
     args, kwargs = tuple(node.args), dict(node.kwargs)
     op = node.target
-    if not isinstance(op, OpOverload) or not kwargs:
+    if not isinstance(op, OpOverload):
+        return args, kwargs
+    args, kwargs = _nonnegative_dims(node, op, args, kwargs)
+    if not kwargs:
         return args, kwargs
     positional = [a for a in op._schema.arguments if not a.kwarg_only]
     named = [i for i in range(len(args), len(positional)) if positional[i].name in kwargs]
@@ -340,6 +343,35 @@ def dispatch_args(node: fx.Node) -> tuple[tuple[Any, ...], dict[str, Any]]:
         else:  # malformed call; leave it to torch to complain
             return args, dict(node.kwargs)
     return tuple(new_args), kwargs
+
+
+_DIM_ARGUMENTS = frozenset({"dim", "dims", "dim0", "dim1", "start_dim", "end_dim"})
+_INSERTS_A_DIM = frozenset({torch.ops.aten.stack, torch.ops.aten.unsqueeze})
+
+
+def _nonnegative_dims(node: fx.Node, op: OpOverload, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Dim arguments made non-negative. Some of DTensor's strategies compare a negative dim with
+    a placement's non-negative one and miss that they are the same dim (``cumsum(dim=-1)`` on a
+    tensor split along its last dim is accepted as split in torch 2.13): a silent error, so every
+    dim reaches DTensor non-negative. A negative dim counts from the end of the output when the op
+    inserts a dim (``stack``, ``unsqueeze``), else of the first input."""
+    first = next((a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)), None)
+    out = node.meta.get("val")
+    if first is None or not isinstance(out, torch.Tensor):
+        return args, kwargs
+    ndim = out.dim() if op.overloadpacket in _INSERTS_A_DIM else first.meta["val"].dim()
+
+    def fix(value):
+        if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+            return value + ndim
+        if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return type(value)(v + ndim if v < 0 else v for v in value)
+        return value
+
+    schema = op._schema.arguments
+    args = tuple(fix(a) if i < len(schema) and schema[i].name in _DIM_ARGUMENTS else a for i, a in enumerate(args))
+    kwargs = {k: (fix(v) if k in _DIM_ARGUMENTS else v) for k, v in kwargs.items()}
+    return args, kwargs
 
 
 def redistribute_bytes(val: Any, src: Placement, dst: Placement, tp: int) -> float:

@@ -461,7 +461,62 @@ def _from_dtensor(node: fx.Node, current: dict, tp: int) -> Decision | None:
             return None
         outs.append(ours)
     output = tuple(outs) if isinstance(value, (tuple, list)) else outs[0]
-    return Decision(needs, output, "dtensor")
+    decision = Decision(needs, output, "dtensor")
+    if not _agrees_numerically(node, decision, tp):
+        return None
+    return decision
+
+
+_CHECK_LIMIT = 1 << 16  # elements: a decision on tensors this small is checked by running it
+
+
+def _agrees_numerically(node: fx.Node, decision: Decision, tp: int) -> bool:
+    """Run the op whole and on each rank's parts, on random values, and compare: a foreign rule
+    that splits (or passes through) a tensor is trusted only if the pieces agree. Ops on large
+    tensors, random ops and ops reading integer tensors are not run (True)."""
+    from sptransform.graph.nodes import is_random
+
+    outputs = decision.output if isinstance(decision.output, tuple) else (decision.output,)
+    if all(p in (REPLICATED, None) for p in outputs) or is_random(node):
+        return True
+    tensors = tensor_inputs(node)
+    values = [a.meta["val"] for a in tensors]
+    out = node.meta["val"]
+    out_values = out if isinstance(out, (tuple, list)) else [out]
+    if any(not v.is_floating_point() for v in values) or \
+            sum(v.numel() for v in values) + sum(o.numel() for o in out_values if isinstance(o, torch.Tensor)) > _CHECK_LIMIT:
+        return True
+    from sptransform.torch_internals import maybe_disable_local_tensor_mode
+    from sptransform.torch_internals import disable_current_modes
+
+    try:
+        with disable_current_modes(), maybe_disable_local_tensor_mode(), torch.no_grad():
+            generator = torch.Generator().manual_seed(0)
+            full = {a: torch.randn(v.shape, dtype=torch.float64, generator=generator) for a, v in zip(tensors, values)}
+
+            def run(inputs):
+                args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: inputs.get(a, a))
+                result = node.target(*args, **kwargs)
+                return result if isinstance(result, (tuple, list)) else (result,)
+
+            whole_out = run(full)
+            for rank in range(tp):
+                local = {a: _piece(full[a], decision.needs.get(a, REPLICATED), rank, tp) for a in tensors}
+                for got, want, placement in zip(run(local), whole_out, outputs):
+                    if placement is None or not isinstance(want, torch.Tensor):
+                        continue
+                    expected = _piece(want, placement, rank, tp) if placement != PARTIAL else None
+                    if expected is not None and (got.shape != expected.shape or not torch.allclose(got, expected)):
+                        return False
+            return True
+    except Exception:  # the op does not run on plain tensors this way: no evidence either way
+        return True
+
+
+def _piece(value: torch.Tensor, placement, rank: int, tp: int) -> torch.Tensor:
+    if isinstance(placement, DimShard):
+        return value.index_select(placement.dim, torch.tensor(placement.indices(rank, tp)))
+    return value
 
 
 __all__ = ["Decision", "RuleContext", "forward_rule", "gather_all", "tensor_inputs", "Placement", "Replicated",

@@ -1,0 +1,308 @@
+"""Placement propagation and gradient reductions on small hand-built graphs, one op family at a
+time: the placements each rule gives, the redistributions they imply, and where gradients of
+replicated tensors arrive partial."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from sptransform.capture import FakeTemplate, capture
+from sptransform.graph.analysis import constant_nodes
+from sptransform.graph.gradients import gradient_plan
+from sptransform.graph.placement import PARTIAL, REPLICATED
+from sptransform.graph.propagate import SequenceSplit, move_kind, propagate
+from sptransform.graph.sharding import DimShard, whole
+from sptransform.passes.canonicalize import remove_dead_code, split_bias
+
+
+def _graph(module: nn.Module, *args):
+    captured = capture(FakeTemplate(module, torch.device("cpu")), args, {})
+    remove_dead_code(captured.gm)
+    params = {node: name for node, name in zip(captured.state_placeholders, captured.state_names)}
+    return captured, params
+
+
+def _run(module, args, seeds: dict[str, object], *, tp=2, seq=None, split_biases=()):
+    captured, params = _graph(module, *args)
+    gm = captured.gm
+    by_name = {name: node for node, name in params.items()}
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and any(a in {by_name[n] for n in split_biases} for a in node.all_input_nodes):
+            split_bias(gm, node)
+    seeded = {by_name[name]: placement for name, placement in seeds.items()}
+    constant = constant_nodes(gm, set(params))
+    prop = propagate(gm, seeded, tp=tp, constant=constant, sequence=SequenceSplit(seq) if seq else None)
+    grads = gradient_plan(gm, prop, params=set(params), constant=constant, inputs=set())
+    return gm, prop, grads, by_name
+
+
+def _node(gm, op):
+    return next(n for n in gm.graph.nodes if n.op == "call_function" and n.target.overloadpacket is op)
+
+
+def _moves(prop):
+    return sorted((move_kind(have, want), node.name) for node, _, have, want in prop.changes())
+
+
+class MLP(nn.Module):
+    def __init__(self, bias=False):
+        super().__init__()
+        self.up = nn.Linear(8, 16, bias=bias)
+        self.down = nn.Linear(16, 8, bias=bias)
+
+    def forward(self, x):  # x: [b, s, 8]
+        return self.down(F.gelu(self.up(x)))
+
+
+aten = torch.ops.aten
+
+
+def test_column_then_row_linear_gives_split_features_then_a_partial_sum():
+    gm, prop, _, _ = _run(MLP(), (torch.randn(2, 4, 8),), {"up.weight": whole(0, 16), "down.weight": whole(1, 16)})
+    up, down = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.linear.default]
+    assert prop.placement[up] == whole(2, 16)
+    assert prop.placement[_node(gm, aten.gelu)] == whole(2, 16)
+    assert prop.placement[down] == PARTIAL
+    assert _moves(prop) == [("all_reduce", down.name)]  # the output is reduced for the user
+
+
+def test_sequence_parallel_reduce_scatters_the_partial_sum_and_gathers_into_the_block():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(8)
+            self.mlp = MLP()
+
+        def forward(self, x):
+            return x + self.mlp(self.norm(x))
+
+    gm, prop, grads, names = _run(Block(), (torch.randn(2, 4, 8),),
+                                  {"mlp.up.weight": whole(0, 16), "mlp.down.weight": whole(1, 16)}, seq=4)
+    norm = _node(gm, aten.layer_norm)
+    add = _node(gm, aten.add)
+    # the residual input is replicated (a user input); the partial sum is reduce-scattered and
+    # the input cut to the same sequence split, so the stream stays split
+    assert prop.placement[add] == whole(1, 4)
+    moves = _moves(prop)
+    assert ("reduce_scatter", prop.reads[add] and next(n.name for n in add.all_input_nodes if prop.placement[n] == PARTIAL)) in moves
+    assert prop.placement[norm] == REPLICATED  # it reads the replicated input: no split to keep
+    assert names["norm.weight"] not in grads.partial_params
+
+
+def test_a_norm_weight_on_a_sequence_split_activation_gets_a_partial_gradient():
+    class Norm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(8)
+            self.mlp = MLP()
+
+        def forward(self, x):  # mlp output (partial) -> reduce-scatter -> norm on the split
+            return self.norm(x + self.mlp(x))
+
+    gm, prop, grads, names = _run(Norm(), (torch.randn(2, 4, 8),),
+                                  {"mlp.up.weight": whole(0, 16), "mlp.down.weight": whole(1, 16)}, seq=4)
+    assert prop.placement[_node(gm, aten.layer_norm)] == whole(1, 4)
+    assert {names["norm.weight"], names["norm.bias"]} <= set(grads.partial_params)
+
+
+def test_a_weight_reaching_the_split_through_casts_and_adds_is_still_summed():
+    """Gemma's ``x * (1 + w.float())``: the parameter meets the split activation only after an
+    add and a cast, and its gradient is partial all the same."""
+
+    class OnePlus(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(8))
+            self.mlp = MLP()
+
+        def forward(self, x):
+            h = x + self.mlp(x)
+            return h * (1.0 + self.w.float()).to(h.dtype)
+
+    gm, prop, grads, names = _run(OnePlus(), (torch.randn(2, 4, 8),),
+                                  {"mlp.up.weight": whole(0, 16), "mlp.down.weight": whole(1, 16)}, seq=4)
+    assert names["w"] in grads.partial_params
+
+
+def test_a_weight_read_both_split_and_whole_gets_an_f_not_a_bucket():
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(8))
+            self.mlp = MLP()
+
+        def forward(self, x):
+            h = x + self.mlp(x)  # split along the sequence
+            return (h * self.w).sum() + (x * self.w).sum()  # x is replicated: a full gradient
+
+    gm, prop, grads, names = _run(Mixed(), (torch.randn(2, 4, 8),),
+                                  {"mlp.up.weight": whole(0, 16), "mlp.down.weight": whole(1, 16)}, seq=4)
+    w = names["w"]
+    assert w not in grads.partial_params and w in grads.f_edges
+
+
+def test_without_sequence_parallelism_the_block_input_gets_an_f():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(8)
+            self.mlp = MLP()
+
+        def forward(self, x):
+            return self.mlp(self.norm(x))
+
+    gm, prop, grads, _ = _run(Block(), (torch.randn(2, 4, 8, requires_grad=True),),
+                              {"mlp.up.weight": whole(0, 16), "mlp.down.weight": whole(1, 16)})
+    norm = _node(gm, aten.layer_norm)
+    assert list(grads.f_edges) == [norm]  # Megatron's f: the column linear sends back a partial sum
+
+
+def test_a_gather_whose_readers_all_send_partial_sums_reduce_scatters_in_backward():
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = MLP(), MLP()
+            self.norm = nn.LayerNorm(8)
+
+        def forward(self, x):
+            h = x + self.a(x)
+            return self.b(self.norm(h))
+
+    seeds = {"a.up.weight": whole(0, 16), "a.down.weight": whole(1, 16),
+             "b.up.weight": whole(0, 16), "b.down.weight": whole(1, 16)}
+    gm, prop, grads, _ = _run(Two(), (torch.randn(2, 4, 8),), seeds, seq=4)
+    assert grads.gather_backward[_node(gm, aten.layer_norm)] == "reduce_scatter"
+
+
+def test_partial_sums_ride_a_single_reader_view_and_are_reduced_once_at_the_source_otherwise():
+    class Views(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = MLP()
+
+        def forward(self, x):
+            p = self.mlp(x)
+            return (p.view(8, 8).float().exp(), p.exp())  # two readers: reduce p once
+
+    gm, prop, _, _ = _run(Views(), (torch.randn(2, 4, 8),), {"mlp.up.weight": whole(0, 16), "mlp.down.weight": whole(1, 16)})
+    down = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.linear.default][-1]
+    assert prop.placement[_node(gm, aten.view)] == REPLICATED
+    reduced = [(kind, name) for kind, name in _moves(prop) if kind == "all_reduce"]
+    assert {name for _, name in reduced} == {down.name}
+
+
+def test_summing_over_the_split_dim_is_a_partial_sum_and_a_mean_runs_whole():
+    class Sums(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = nn.Linear(8, 16, bias=False)
+
+        def forward(self, x):
+            h = self.up(x)
+            return h.sum(-1), h.mean(-1)
+
+    gm, prop, _, _ = _run(Sums(), (torch.randn(2, 4, 8),), {"up.weight": whole(0, 16)})
+    assert prop.placement[_node(gm, aten.sum)] == PARTIAL
+    assert prop.placement[_node(gm, aten.mean)] == REPLICATED
+    assert ("all_gather", next(n.name for n in gm.graph.nodes if n.target is aten.linear.default)) in _moves(prop)
+
+
+def test_an_op_without_any_rule_gathers_its_inputs_and_runs_whole():
+    class Cumsum(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = nn.Linear(8, 16, bias=False)
+
+        def forward(self, x):
+            return torch.cumsum(self.up(x), dim=-1)  # over the split features
+
+    gm, prop, _, _ = _run(Cumsum(), (torch.randn(2, 4, 8),), {"up.weight": whole(0, 16)})
+    cumsum = _node(gm, aten.cumsum)
+    assert prop.placement[cumsum] == REPLICATED
+    assert prop.reads[cumsum][cumsum.args[0]] == REPLICATED
+
+
+def test_dtensor_rules_cover_ops_we_have_none_for():
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = nn.Linear(8, 16, bias=False)
+
+        def forward(self, x):
+            h = self.up(x)
+            return torch.stack([h, h * 2], dim=0).sum(0)  # stack along a new leading dim
+
+    gm, prop, _, _ = _run(Stack(), (torch.randn(2, 4, 8),), {"up.weight": whole(0, 16)})
+    stack = _node(gm, aten.stack)
+    assert prop.source[stack] == "dtensor" and prop.placement[stack] == whole(3, 16)
+
+
+def test_fused_segments_follow_a_split_of_the_fused_output():
+    class Fused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(8, 24, bias=False)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).split(8, dim=-1)
+            return q * k + v
+
+    spec = DimShard(0, ((0, 8), (8, 8), (16, 8)))
+    gm, prop, _, _ = _run(Fused(), (torch.randn(2, 4, 8),), {"qkv.weight": spec})
+    split = _node(gm, aten.split)
+    assert prop.placement[split] == (whole(2, 8),) * 3
+    assert prop.placement[_node(gm, aten.linear)] == DimShard(2, spec.segments)
+
+
+def test_vocabulary_split_embedding_is_a_partial_sum_and_the_loss_is_replicated():
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 8)
+            self.head = nn.Linear(8, 10, bias=False)
+
+        def forward(self, ids, targets):
+            return F.cross_entropy(self.head(self.emb(ids)).view(-1, 10), targets.view(-1))
+
+    ids = torch.randint(0, 10, (2, 4))
+    vocab = whole(0, 10)
+    gm, prop, _, _ = _run(LM(), (ids, ids), {"emb.weight": vocab, "head.weight": vocab})
+    assert prop.placement[_node(gm, aten.embedding)] == PARTIAL
+    loss = _node(gm, aten.cross_entropy_loss)
+    assert prop.placement[loss] == REPLICATED and isinstance(prop.reads[loss][loss.args[0]], DimShard)
+
+
+def test_grouped_kv_heads_split_by_groups_when_tp_divides_them():
+    class GQA(nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    q, kv = torch.randn(1, 8, 4, 2), torch.randn(1, 4, 4, 2)
+    captured, _ = _graph(GQA(), q, kv, kv.clone())
+    gm = captured.gm
+    q_node, k_node, v_node = captured.user_placeholders
+    prop = propagate(gm, {q_node: whole(1, 8)}, tp=2, constant=set(), sequence=None)
+    sdpa = _node(gm, aten.scaled_dot_product_attention)
+    assert prop.reads[sdpa][k_node] == whole(1, 4) and prop.placement[sdpa] == whole(1, 8)
+
+
+def test_a_wrong_foreign_rule_is_caught_by_running_it(monkeypatch):
+    """torch 2.13's DTensor accepts ``cumsum(dim=-1)`` on a tensor split along its last dim as still
+    split (it compares -1 with 2). Dims are made non-negative before asking; and with that
+    normalization switched off, running the op whole and per rank rejects the rule."""
+    import sptransform.graph.dtensor_rules as dtensor_rules
+    from sptransform.graph.rules import _from_dtensor
+
+    class Cumsum(nn.Module):
+        def forward(self, x):
+            return torch.cumsum(x, dim=-1)
+
+    captured, _ = _graph(Cumsum(), torch.randn(2, 4, 16))
+    node = _node(captured.gm, aten.cumsum)
+    x = node.args[0]
+    assert _from_dtensor(node, {x: whole(2, 16)}, 2).output == REPLICATED
+    monkeypatch.setattr(dtensor_rules, "_nonnegative_dims", lambda node, op, args, kwargs: (args, kwargs))
+    monkeypatch.setattr(dtensor_rules, "_PROPAGATE_CACHE", {})
+    assert _from_dtensor(node, {x: whole(2, 16)}, 2) is None
