@@ -35,6 +35,8 @@ from sptransform.torch_internals import pytree
 from sptransform.graph.sharding import (
     CUT,
     DimShard,
+    slice_bounds,
+    slices_input_spec,
     ShardingError,
     describe,
     input_specs_for_output,
@@ -48,7 +50,8 @@ from sptransform.graph.sharding import (
 
 aten = torch.ops.aten
 
-_WEIGHT_VIEWS = {aten.t, aten.transpose, aten.permute, aten.alias, aten.detach}
+_WEIGHT_VIEWS = {aten.t, aten.transpose, aten.permute, aten.alias, aten.detach, aten.numpy_T, aten.mT}
+_REVERSED = {aten.t, aten.numpy_T, aten.mT}  # on a 2-D weight: the two dims swap
 
 
 @dataclass(frozen=True)
@@ -123,9 +126,9 @@ def _param_through_views(node, captured: CapturedGraph):
         p = packet(node)
         if p in (aten.alias, aten.detach):
             step = list(range(len(shape)))
-        elif p is aten.t or p is aten.transpose:
+        elif p in _REVERSED or p is aten.transpose:
             step = list(range(len(shape)))
-            a, b = (0, 1) if p is aten.t else [d % len(shape) for d in node.args[1:3]]
+            a, b = (0, 1) if p in _REVERSED else [d % len(shape) for d in node.args[1:3]]
             step[a], step[b] = step[b], step[a]
         else:
             step = [d % len(shape) for d in node.args[1]]
@@ -274,7 +277,21 @@ def trace_region(
     start = whole(len(shape_of(x)) - 1, shape_of(x)[-1])
     check(x, start)
     pending[x] = start
+    slice_pending: dict[fx.Node, list[tuple[fx.Node, DimShard]]] = defaultdict(list)
     for node in reversed(order[: position[x] + 1]):
+        if node in slice_pending:  # a fused output taken apart with slices: they are its segments
+            pieces = slice_pending.pop(node)
+            d = pieces[0][1].dim
+            spec = slices_input_spec(shape_of(node)[d], d, [(slice_bounds(s)[1], sp) for s, sp in pieces], tp)
+            try:
+                if spec is None:
+                    raise ShardingError(f"{describe(node)}: its slices cannot be split over tp={tp}")
+                check(node, spec)
+                pending[node] = spec
+            except ShardingError:
+                cuts.extend((s, sp) for s, sp in pieces)
+                for s, _ in pieces:
+                    specs.pop(s, None)
         if is_split(node) and node in chunk_pending:
             try:
                 spec = split_input_spec(node, chunk_pending.pop(node))
@@ -307,6 +324,10 @@ def trace_region(
             else:
                 cuts.append((node, spec))
             continue
+        if packet(node) is aten.slice and spec.dim == slice_bounds(node)[0] and slice_bounds(node)[3] == 1:
+            specs[node] = spec
+            slice_pending[node.args[0]].append((node, spec))
+            continue
         try:
             wanted = input_specs_for_output(node, spec, tp)
         except ShardingError:
@@ -328,7 +349,7 @@ def trace_region(
     if pending:
         raise ShardingError(f"{describe(next(iter(pending)))} could not be reached walking back")
     if not columns:
-        raise ShardingError(f"{describe(row.node)}: no column-parallel linear feeds it")
+        raise ShardingError(f"{describe(row.node)}: no column-parallel linear feeds it (the walk stopped at {[c.name for c, _ in cuts]})")
     # A split tensor that something outside the region reads whole (the statistics of a norm
     # over the features, a residual stream) means the walk crossed a block boundary.
     inside = set(specs) | {row.node}
@@ -402,7 +423,7 @@ def analyze(captured: CapturedGraph, tp: int) -> ModelAnalysis:
     ]
     dropouts = [n for n in graph.nodes if packet(n) is aten.dropout]
     return ModelAnalysis(
-        seq_len=_query_length(regions),
+        seq_len=_query_length(graph),
         linears=linears,
         embeddings=embeddings,
         regions=regions,
@@ -448,22 +469,44 @@ def _sizes(region: Region) -> str:
     return f"MLP width {region.row.in_features}"
 
 
-def _query_length(regions: list[Region]) -> int | None:
-    """The sequence length as attention sees it: rows of the score matrix."""
-    for region in regions:
-        for node in region.specs:
-            if packet(node) is aten.scaled_dot_product_attention:
-                return shape_of(node.args[0])[-2]
-            if packet(node) in (aten.softmax, aten._softmax):
-                return shape_of(node)[-2]
+def _query_length(graph: fx.Graph) -> int | None:
+    """The sequence length as attention sees it: rows of the score matrix of the first attention
+    (a fused kernel, or a softmax over a square-ish score matrix)."""
+    for node in graph.nodes:
+        if packet(node) is aten.scaled_dot_product_attention:
+            return shape_of(node.args[0])[-2]
+        if packet(node) in (aten.softmax, aten._softmax) and len(shape_of(node) or ()) >= 3:
+            return shape_of(node)[-2]
     return None
 
 
+_MOVES_ONLY = {aten.view, aten.reshape, aten._unsafe_view, aten.to, aten._to_copy, aten.contiguous, aten.clone,
+               aten.alias, aten.detach, aten.slice, aten.transpose, aten.permute, aten.squeeze, aten.unsqueeze}
+
+
 def _pick_head(leftovers: list[LinearMatch]) -> LinearMatch | None:
-    """The head is the last leftover linear whose output is not consumed by another linear."""
-    if not leftovers:
-        return None
-    return max(leftovers, key=lambda lm: lm.out_features)
+    """The head: the last leftover linear whose output reaches a cross-entropy, or else reaches a
+    graph output through data movement only (logits returned as they are)."""
+    def reaches_loss(lm: LinearMatch) -> bool:
+        return any(packet(n) is aten.cross_entropy_loss for n in _forward_closure([lm.node]))
+
+    def returned(lm: LinearMatch) -> bool:
+        stack, seen = [lm.node], set()
+        while stack:
+            node = stack.pop()
+            for user in node.users:
+                if user.op == "output":
+                    return True
+                if user not in seen and user.op == "call_function" and packet(user) in _MOVES_ONLY:
+                    seen.add(user)
+                    stack.append(user)
+        return False
+
+    for test in (reaches_loss, returned):
+        found = [lm for lm in leftovers if test(lm)]
+        if found:
+            return found[-1]
+    return None
 
 
 def _assign_layers(graph: fx.Graph, regions: list[Region]) -> None:

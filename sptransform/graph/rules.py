@@ -45,6 +45,8 @@ from sptransform.graph.sharding import (
     is_split,
     reshape_spec,
     shape_of,
+    slice_bounds,
+    slice_output_spec,
     split_dim,
     split_output_specs,
     whole,
@@ -76,7 +78,7 @@ class Decision:
 _VIEWS = {aten.view, aten.reshape, aten._unsafe_view}
 _PASS_PARTIAL = {  # ops that only move data (or cast it): a partial sum passes through unreduced
     aten.clone, aten.contiguous, aten.alias, aten.detach, aten.to, aten._to_copy, aten.type_as,
-    aten.transpose, aten.t, aten.permute, aten.unsqueeze, aten.squeeze, aten.expand,
+    aten.transpose, aten.t, aten.numpy_T, aten.mT, aten.permute, aten.unsqueeze, aten.squeeze, aten.expand,
     aten.lift_fresh_copy, aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten,
 }
 _MATMULS = {aten.mm, aten.bmm, aten.matmul, aten.linear, aten.addmm}
@@ -154,8 +156,8 @@ def _view(node: fx.Node, current: dict, ctx: RuleContext) -> Decision | None:
 
 
 _SIMPLE_LINKED = {
-    aten.transpose, aten.t, aten.permute, aten.unsqueeze, aten.squeeze, aten.expand, aten.slice, aten.select,
-    aten.repeat_interleave, aten.cat, aten.index_select, aten.clone, aten.contiguous, aten.alias, aten.detach,
+    aten.transpose, aten.t, aten.numpy_T, aten.mT, aten.permute, aten.unsqueeze, aten.squeeze, aten.expand, aten.slice,
+    aten.select, aten.repeat_interleave, aten.cat, aten.index_select, aten.clone, aten.contiguous, aten.alias, aten.detach,
     aten.to, aten._to_copy, aten.type_as, aten.lift_fresh_copy, aten.where, aten.masked_fill, aten.dropout,
     aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax, aten.layer_norm, aten.rms_norm,
 }
@@ -387,7 +389,18 @@ def _cross_entropy(node: fx.Node, current: dict, ctx: RuleContext) -> Decision |
     return None
 
 
+def _slice(node: fx.Node, current: dict, ctx: RuleContext) -> Decision | None:
+    """A slice along a split dim keeps the segments it takes whole (a piece of a fused output)."""
+    x = node.args[0]
+    spec = current[x]
+    if isinstance(spec, DimShard) and spec.dim == slice_bounds(node)[0]:
+        out = slice_output_spec(node, spec)
+        return Decision({x: spec}, out) if out is not None else Decision({x: REPLICATED}, REPLICATED)
+    return _linked(node, current, ctx)
+
+
 _OURS = {
+    aten.slice: _slice,
     **{p: _view for p in _VIEWS},
     **{p: _reduction for p in (aten.sum, aten.mean, aten.amax, aten.amin, aten.var, aten.std, aten.var_mean)},
     **{p: _split for p in (aten.split, aten.split_with_sizes, aten.chunk, aten.unbind)},

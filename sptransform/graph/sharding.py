@@ -264,8 +264,15 @@ def dim_links(node: fx.Node) -> tuple[list[tuple[fx.Node, dict[int, int]]], set[
         perm = list(range(len(out)))
         perm[a], perm[b] = perm[b], perm[a]
         return [(x, {o: perm[o] for o in range(len(out))})], set()
-    if p is aten.t:
-        return [(node.args[0], {0: 1, 1: 0} if len(out) == 2 else {0: 0})], set()
+    if p in (aten.t, aten.numpy_T, aten.mT):
+        n = len(out)
+        if p is aten.numpy_T:  # reverses every dim
+            return [(node.args[0], {o: n - 1 - o for o in range(n)})], set()
+        if p is aten.mT or n == 2:  # swaps the last two
+            perm = list(range(n))
+            perm[-1], perm[-2] = perm[-2], perm[-1]
+            return [(node.args[0], {o: perm[o] for o in range(n)})], set()
+        return [(node.args[0], {0: 0})], set()
     if p is aten.permute:
         perm = [_norm_dim(d, len(out)) for d in node.args[1]]
         return [(node.args[0], {o: perm[o] for o in range(len(out))})], set()
@@ -546,3 +553,67 @@ def _tp_hint(spec: DimShard) -> int:
     """DTensor drops strategies that split a dim smaller than the mesh; any size the split
     could have works for finding which dims correspond, so ask for a 2-rank mesh."""
     return 2
+
+
+# ---------------------------------------------------------------------------
+# slices of a split dim: the pieces of a fused output taken with ``x[..., a:b]``
+
+
+def slice_bounds(node: fx.Node) -> tuple[int, int, int, int]:
+    """(dim, start, end, step) of an ``aten.slice``, with start and end clamped into the dim."""
+    x = node.args[0]
+    size_in = shape_of(x)
+    d = _norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), len(size_in))
+    size = size_in[d]
+    start = node.args[2] if len(node.args) > 2 else node.kwargs.get("start")
+    end = node.args[3] if len(node.args) > 3 else node.kwargs.get("end")
+    step = node.args[4] if len(node.args) > 4 else node.kwargs.get("step", 1)
+    start = 0 if start is None else (start + size if start < 0 else start)
+    end = size if end is None else (end + size if end < 0 else end)
+    return d, max(0, min(start, size)), max(0, min(end, size)), step
+
+
+def slice_output_spec(node: fx.Node, spec: DimShard) -> DimShard | None:
+    """The split of ``x[..., start:end]`` when ``x`` is split along the sliced dim as ``spec``:
+    the segments inside the slice, if every segment is wholly inside or outside it."""
+    d, start, end, step = slice_bounds(node)
+    if spec.dim != d or step != 1:
+        return None
+    inside = []
+    for a, n in spec.segments:
+        if start <= a and a + n <= end:
+            inside.append((a - start, n))
+        elif a < end and a + n > start:
+            return None  # the slice cuts through a segment
+    if sum(n for _, n in inside) != end - start:
+        return None  # part of the slice is not split: no single placement for it
+    return DimShard(d, tuple(inside))
+
+
+def slices_input_spec(size: int, dim: int, pieces: list[tuple[int, DimShard]], tp: int) -> DimShard | None:
+    """The split of a tensor whose slices ``(start, split of the slice)`` along ``dim`` are needed
+    split: their segments, and every part no slice takes split whole (None if one cannot be)."""
+    segments = sorted((start + a, n) for start, spec in pieces for a, n in spec.segments)
+    filled, at = [], 0
+    for a, n in segments:
+        if a < at:
+            return None  # overlapping slices
+        if a > at:
+            if (a - at) % tp:
+                return None
+            filled.append((at, a - at))
+        filled.append((a, n))
+        at = a + n
+    if at < size:
+        if (size - at) % tp:
+            return None
+        filled.append((at, size - at))
+    return DimShard(dim, tuple(filled))
+
+
+def local_slice_bounds(spec: DimShard, start: int, end: int, tp: int) -> tuple[int, int]:
+    """Where ``[start, end)`` (whole segments of ``spec``) lies in a rank's local tensor, which
+    holds each segment's part one after the other."""
+    before = sum(n // tp for a, n in spec.segments if a + n <= start)
+    inside = sum(n // tp for a, n in spec.segments if start <= a and a + n <= end)
+    return before, before + inside

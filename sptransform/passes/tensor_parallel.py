@@ -46,7 +46,9 @@ from sptransform.graph.gradients import GradientPlan
 from sptransform.graph.placement import PARTIAL, REPLICATED, ParamPlacement
 from sptransform.graph.plan import ParallelPlan
 from sptransform.graph.propagate import Propagation
-from sptransform.graph.sharding import DimShard, ShardingError, describe, is_split, packet, shape_of
+from sptransform.graph.sharding import (
+    DimShard, ShardingError, describe, is_split, local_slice_bounds, packet, shape_of, slice_bounds,
+)
 from sptransform.passes.localize import index_table, localize, localize_split
 from sptransform.runtime.collectives import copy_to_tp, gather_output, gather_seq, reduce_from_tp, scatter_seq, sync_grads
 from sptransform.runtime.ops import (
@@ -173,7 +175,7 @@ def _pad_vocabulary(gm: fx.GraphModule, prop: Propagation, plan: ParallelPlan, p
             continue
         users = list(node.users)
         dim = placement.spec.dim
-        pad = pad_rows if dim == 0 else pad_last
+        pad = pad_last if dim == len(shape_of(node)) - 1 else pad_rows  # a 1-D bias pads its only dim
         with gm.graph.inserting_after(_after_placeholders(gm, node)):
             padded = gm.graph.call_function(pad, (node, placement.padded_rows))
         padded.meta["val"] = node.meta.get("val")
@@ -195,6 +197,15 @@ def _localize(gm: fx.GraphModule, node: fx.Node, prop: Propagation, plan: Parall
     if p is aten.cross_entropy_loss and isinstance(reads.get(node.args[0]), DimShard):
         _vocab_loss(node, plan)
         return
+    if p is aten.slice and isinstance(reads.get(node.args[0]), DimShard):
+        spec = reads[node.args[0]]
+        d, start, end, _ = slice_bounds(node)
+        if spec.dim == d:  # a piece of a fused dim: its bounds in the local tensor
+            local_start, local_end = local_slice_bounds(spec, start, end, plan.tp)
+            node.args = (node.args[0], d, local_start, local_end, 1)
+            node.kwargs = {}
+            node.meta["sptransform_spec"] = out
+            return
     if isinstance(out, tuple):
         source = node.args[0] if node.args else None
         spec = reads.get(source)
