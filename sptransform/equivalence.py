@@ -90,6 +90,9 @@ class VerifyReport:
     """``parallelize``'s refusal (status ``"refused"``), or what the parallel model raised
     while running (status ``"different"``)."""
     notes: list[str] = field(default_factory=list)
+    linears: tuple[int, int] | None = None
+    """(linears whose weight the parallel model splits over the ranks, linears in the model): a
+    model can be equal and still run some linears whole on every rank (the notes say which)."""
     tp: int = 1
     sp: bool = True
     pp: int = 1
@@ -353,6 +356,8 @@ class _Record:
     grads: list[dict[str, Any]] = field(default_factory=list)
     params: dict[str, Any] = field(default_factory=dict)
     placements: dict[str, str] = field(default_factory=dict)
+    linears: tuple[int, int] | None = None
+    plan_notes: list[str] = field(default_factory=list)
 
 
 def _compare(ref: _Record, par: _Record, *, steps: int, rtol: float, param_names: list[str]) -> list[VerifyRow]:
@@ -485,8 +490,9 @@ def _verify_simulated(model, *, tp, sp, args, kwargs, steps, rtol, notes) -> Ver
         notes.append("compared in train() mode; dropout masks, if any, are the single-device model's "
                      "(dropout_rng='reference')")
     notes.append(f"back-propagated: {loss_name}; optimizer: SGD lr={LR:g}")
+    notes.extend(par.plan_notes)
     rows = _compare(ref, par, steps=steps, rtol=rtol, param_names=list(ref.params))
-    return _report(rows, error=error, notes=notes, **fields)
+    return _report(rows, error=error, notes=notes, linears=par.linears, **fields)
 
 
 def _run_parallel(model, *, tp, sp, args, kwargs, steps, loss: str) -> tuple[_Record, str | None]:
@@ -504,6 +510,10 @@ def _run_parallel(model, *, tp, sp, args, kwargs, steps, loss: str) -> tuple[_Re
         params = {n: p for n, p in pm.named_parameters(remove_duplicate=False)}
         for name, p in params.items():
             record.placements[name] = _placement(p.placements[0]) if isinstance(p, DTensor) else "plain"
+        plan = getattr(pm, "plan", None)
+        if plan is not None:
+            record.linears = plan.linears
+            record.plan_notes = [f"linears split over the ranks: {plan.linears[0]} of {plan.linears[1]}", *plan.notes]
         opt = torch.optim.SGD(list(pm.parameters()), lr=LR, foreach=False)
         step = 0
         try:

@@ -97,6 +97,9 @@ def build_parallel_graph(
         plan.vocab = analysis.head.out_features
         plan.vocab_per_rank = -(-plan.vocab // tp)
     plan.notes.extend(analysis.notes)
+    plan.linears = (sum(1 for lm in analysis.linears.values()
+                        if placements.get(lm.weight_name) is not None and placements[lm.weight_name].spec is not None),
+                    len(analysis.linears))
     state = dict(zip(captured.state_placeholders, captured.state_names))
     params = {node: name for node, name in state.items() if name in captured.param_names}
     seeds, cut_seeds = {}, {}

@@ -33,6 +33,8 @@ class ParallelPlan:
     vocab: int | None = None
     vocab_per_rank: int | None = None
     seq_len: int | None = None
+    linears: tuple[int, int] = (0, 0)
+    """(linears whose weight is split over the ranks, linears in the graph)."""
     notes: list[str] = field(default_factory=list)
 
 

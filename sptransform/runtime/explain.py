@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from sptransform.graph.placement import describe_placement
 from sptransform.runtime.collectives import copy_to_tp, gather_output, gather_seq, reduce_from_tp, scatter_seq, sync_grads
 from sptransform.runtime.ops import vocab_parallel_cross_entropy
 
@@ -61,10 +62,14 @@ def explain(graph, options) -> str:
         lines.append(f"  head {analysis.head.weight_name} (vocab-parallel), loss: {'vocab-parallel cross-entropy' if analysis.loss is not None else 'none'}")
     if plan is None:
         return "\n".join(lines)
+    split, total = plan.linears
+    lines.append(f"linears split over the ranks: {split} of {total}")
     lines.append("parameters:")
     for name, placement in sorted(plan.placements.items()):
         pad = f", padded to {placement.padded_rows} rows" if placement.padded_rows else ""
-        lines.append(f"  {name:<50} {str(placement.spec) if placement.spec else 'replicated':<40} {placement.role}{pad}")
+        whole = ", stored whole and cut in the graph" if placement.stored_whole else ""
+        lines.append(f"  {name:<50} {describe_placement(placement.spec) if placement.spec else 'replicated':<16} "
+                     f"{placement.role}{pad}{whole}")
     for name, layer in sorted(plan.sync_params.items(), key=lambda x: x[1]):
         lines.append(f"  {name:<50} replicated, gradient summed in bucket of layer {layer}")
     lines.append("collectives (forward / backward, bytes of the full tensor per call):")
