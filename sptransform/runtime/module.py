@@ -79,7 +79,7 @@ class _Cached:
 
 def mirror_modules(root: nn.Module, model: nn.Module) -> list[nn.Module]:
     """Give ``root`` an empty container for every submodule of ``model`` (same names, same
-    train/eval flags) and return them in ``model.named_modules()`` order, root first: the
+    train/eval flags; ``nn.ModuleList``/``nn.ModuleDict`` for those) and return them in ``model.named_modules()`` order, root first: the
     parameters are registered into these, and their flags say which mode each submodule of
     the fake template is captured in."""
     mirrored = []
@@ -88,7 +88,9 @@ def mirror_modules(root: nn.Module, model: nn.Module) -> list[nn.Module]:
         for part in name.split(".") if name else []:
             child = target._modules.get(part)
             if child is None:
-                child = nn.Module()
+                # Lists and dicts of modules stay indexable: pm.transformer.h[0].eval() works.
+                child = nn.ModuleList() if isinstance(module, nn.ModuleList) else \
+                    nn.ModuleDict() if isinstance(module, nn.ModuleDict) else nn.Module()
                 target.add_module(part, child)
             target = child
         target.training = module.training
@@ -260,21 +262,29 @@ class ParallelModule(nn.Module):
                 )
 
     def _check_split_inputs(self, graph: ParallelGraph, args: tuple, kwargs: dict) -> None:
-        """A float input that requires grad and joins the sequence-split stream would get only
-        this rank's part of its gradient: refuse (``sp=False`` gives the full gradient)."""
-        captured = graph.captured
-        users = {node: i for i, node in enumerate(captured.user_placeholders)}
+        """A float input that requires grad and is cut to this rank's part of the sequence (it,
+        or a tensor computed from it, joins the sequence-split stream) would get only this
+        rank's part of its gradient: refuse (``sp=False`` gives the full gradient)."""
         leaves = pytree.tree_leaves((tuple(args), dict(kwargs)))
-        for node in captured.gm.graph.nodes:
-            if node.op == "call_function" and node.target is take_local and node.args[0] in users:
-                index = users[node.args[0]]
-                value = leaves[index]
-                if isinstance(value, torch.Tensor) and value.requires_grad:
-                    name = leaf_names(args, kwargs)[index]
-                    raise ValueError(
-                        f"{name} requires grad and is split along the sequence here, so each rank would "
-                        "get only its part of its gradient: detach it, or pass sp=False"
-                    )
+        placeholders = graph.captured.user_placeholders[: graph.captured.num_user_inputs]  # not the rank
+        users = {node: i for i, node in enumerate(placeholders)
+                 if isinstance(leaves[i], torch.Tensor) and leaves[i].requires_grad}
+        if not users:
+            return
+        cuts = [n for n in graph.gm.graph.nodes if n.op == "call_function" and n.target is take_local]
+        seen, stack = set(), [c.args[0] for c in cuts]
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            if node in users:
+                name = leaf_names(args, kwargs)[users[node]]
+                raise ValueError(
+                    f"{name} requires grad and is split along the sequence here, so each rank would get only "
+                    "its part of its gradient: detach it, or pass sp=False"
+                )
+            stack.extend(node.all_input_nodes)
 
     # -- running ------------------------------------------------------------
 
