@@ -64,11 +64,6 @@ class FakeTemplate:
 
     # -- what a capture depends on besides the inputs: modes and dtypes ---------------
 
-    @property
-    def module_names(self) -> list[str]:
-        """Every submodule's name (``""`` for the root), in ``named_modules`` order."""
-        return [name for name, _ in self.module.named_modules()]
-
     def set_modes(self, modes: Mapping[str, bool]) -> None:
         """Set each named submodule's ``training`` flag (not recursively): a capture bakes
         ``self.training`` reads (dropout, HF's attention dropout) into the graph, so the

@@ -231,6 +231,11 @@ def _content(t: torch.Tensor) -> torch.Tensor:
 def fingerprint(args: tuple, kwargs: dict, mode_key: tuple, failed: bool, device: torch.device) -> list[torch.Tensor]:
     """This rank's fingerprint of one call, one ``FINGERPRINT``-long int64 tensor per simulated
     rank (one on a real rank). A failed rank sends only its flag."""
+    with maybe_disable_local_tensor_mode():  # plain tensors; simulated ranks' values are read one by one
+        return _fingerprint(args, kwargs, mode_key, failed, device)
+
+
+def _fingerprint(args: tuple, kwargs: dict, mode_key: tuple, failed: bool, device: torch.device) -> list[torch.Tensor]:
     if failed:
         row = torch.zeros(FINGERPRINT, dtype=torch.int64, device=device)
         row[0] = 1
@@ -250,17 +255,16 @@ def fingerprint(args: tuple, kwargs: dict, mode_key: tuple, failed: bool, device
     metas[LEAF_SLOTS] = stable_hash(rest_meta)
     ranks = max((len(_per_rank(x)) for _, x in tensors), default=1)
     rows = []
-    with maybe_disable_local_tensor_mode():
-        for r in range(ranks):
-            contents = torch.zeros(LEAF_SLOTS + 1, dtype=torch.int64, device=device)
-            for i, x in tensors:
-                values = _per_rank(x)
-                value = _content(values[r if len(values) > 1 else 0]).to(device)
-                slot = min(i, LEAF_SLOTS)
-                contents[slot] = (contents[slot] * 31 + value) & _MASK if slot == LEAF_SLOTS else value
-            # layout: flag, mode, structure, metas[0..L), contents[0..L), rest (metas and contents)
-            rest = (metas[LEAF_SLOTS] * 1000003 + contents[LEAF_SLOTS]) & _MASK
-            rows.append(torch.cat([head, metas[:LEAF_SLOTS], contents[:LEAF_SLOTS], rest.reshape(1)]))
+    for r in range(ranks):
+        contents = torch.zeros(LEAF_SLOTS + 1, dtype=torch.int64, device=device)
+        for i, x in tensors:
+            values = _per_rank(x)
+            value = _content(values[r if len(values) > 1 else 0]).to(device)
+            slot = min(i, LEAF_SLOTS)
+            contents[slot] = (contents[slot] * 31 + value) & _MASK if slot == LEAF_SLOTS else value
+        # layout: flag, mode, structure, metas[0..L), contents[0..L), rest (metas and contents)
+        rest = (metas[LEAF_SLOTS] * 1000003 + contents[LEAF_SLOTS]) & _MASK
+        rows.append(torch.cat([head, metas[:LEAF_SLOTS], contents[:LEAF_SLOTS], rest.reshape(1)]))
     return rows
 
 

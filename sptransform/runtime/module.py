@@ -231,7 +231,8 @@ class ParallelModule(nn.Module):
         key = self._cache_key(args, kwargs)
         cached = self._graphs.get(key)
         if cached is not None:
-            self._graphs.move_to_end(key)
+            if not torch.compiler.is_compiling():  # LRU bookkeeping stays out of traced code
+                self._graphs.move_to_end(key)
             return cached, values
         graph = self._factory.build(args, kwargs, modes=self._modes(), dtypes=self._dtype_map(self._dtypes))
         self._check_placements(graph)

@@ -139,6 +139,7 @@ def test_to_float64_then_training_equals_the_original_converted_alike(convert):
         pm(*data[0])  # a graph captured in float32 exists and must not be reused
         convert(pm)
         assert {p.dtype for p in pm.parameters()} == {torch.float64}
+        assert pm.head.weight is pm.tok.weight  # still tied
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=1e-4, foreach=False)
         for step, inputs in enumerate(data):
             loss = pm(*inputs)
