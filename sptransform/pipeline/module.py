@@ -252,7 +252,8 @@ class PipelinedModule(nn.Module):
                     "was built for (shapes are fixed by the capture): pass example_inputs= shaped like your batches"
                 )
             if self._vocab_checks:
-                check_vocab(self._vocab_checks, pytree.tree_leaves((tuple(args), dict(kwargs))), leaf_names(args, kwargs))
+                check_vocab(self._vocab_checks, pytree.tree_leaves((tuple(args), dict(kwargs))),
+                            lambda: leaf_names(args, kwargs))
             run = self._run_for_mode()
         except Exception as err:  # held: raised after the ranks have compared notes
             error = err
@@ -261,7 +262,7 @@ class PipelinedModule(nn.Module):
             table = gather_fingerprints(rows, [self._tp_mesh.get_group(), self._pp_group], simulated=False)
             tp = self._options.tp
             this = self._pp_rank * tp + self._tp_mesh.get_local_rank()
-            raise_if_disagree(table, error, leaf_names(args, kwargs) if error is None else [],
+            raise_if_disagree(table, error, lambda: leaf_names(args, kwargs),
                               lambda r: f"(pp {r // tp}, tp {r % tp})", this)
         if error is not None:
             raise error

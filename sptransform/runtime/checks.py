@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -74,8 +74,9 @@ def check_call(args: tuple, kwargs: dict, call_defaults: dict, *, example: bool 
     if kwargs.get("past_key_values") is not None:
         raise ValueError("past_key_values: sptransform runs training steps without a KV cache; pass none")
     leaves = pytree.tree_leaves((tuple(args), dict(kwargs)))
-    for name, leaf in zip(leaf_names(args, kwargs), leaves):
+    for index, leaf in enumerate(leaves):
         if not example and isinstance(leaf, torch.Tensor) and leaf.device.type == "meta":
+            name = leaf_names(args, kwargs)[index]
             raise ValueError(
                 f"{name} is a meta tensor (shape {tuple(leaf.shape)}, no values): a parallel module runs "
                 "real inputs; pass a tensor on the model's device (meta tensors are fine in example_inputs=)"
@@ -163,22 +164,23 @@ def _per_rank(x: torch.Tensor) -> list[torch.Tensor]:
     return [x] if values is None else [values[r] for r in sorted(values)]
 
 
-def check_vocab(checks: Sequence[VocabCheck], leaves: list, names: list[str]) -> None:
-    """Raise ``IndexError`` (as one device does) for an id or label outside the vocabulary."""
+def check_vocab(checks: Sequence[VocabCheck], leaves: list, names: Callable[[], list[str]]) -> None:
+    """Raise ``IndexError`` (as one device does) for an id or label outside the vocabulary.
+    ``names()`` gives the inputs' names (built only for a message)."""
     with maybe_disable_local_tensor_mode():
         for check in checks:
             value = leaves[check.leaf]
             if not isinstance(value, torch.Tensor):
                 continue
             for t in _per_rank(value):
-                _check_range(check, t.detach(), names[check.leaf])
+                _check_range(check, t.detach(), lambda: names()[check.leaf])
 
 
-def _check_range(check: VocabCheck, t: torch.Tensor, name: str) -> None:
+def _check_range(check: VocabCheck, t: torch.Tensor, name_of: Callable[[], str]) -> None:
     if t.numel() == 0:
         return
     if t.is_floating_point() or t.is_complex():
-        raise TypeError(f"{name} feeds the vocabulary as {check.kind} and must hold integers, got {t.dtype}")
+        raise TypeError(f"{name_of()} feeds the vocabulary as {check.kind} and must hold integers, got {t.dtype}")
     low, high = (int(v) for v in torch.aminmax(t))
     if 0 <= low and high < check.vocab:
         return
@@ -189,6 +191,7 @@ def _check_range(check: VocabCheck, t: torch.Tensor, name: str) -> None:
         return
     value = int(t[bad].reshape(-1)[0])
     count = int(bad.sum())
+    name = name_of()
     if check.kind == "ids":
         raise IndexError(
             f"token id {value} in {name} is outside the vocabulary of {check.vocab} (ids must be in "
@@ -285,10 +288,11 @@ def gather_fingerprints(rows: list[torch.Tensor], groups: Sequence[dist.ProcessG
     return gathered.tolist()
 
 
-def raise_if_disagree(table: list[list[int]], own_error: BaseException | None, names: list[str],
-                      rank_label, this_rank: int) -> None:
+def raise_if_disagree(table: list[list[int]], own_error: BaseException | None, names: Callable[[], list[str]],
+                      rank_label: Callable[[int], str], this_rank: int) -> None:
     """Raise on every rank when any rank failed (its own error, or a message naming the failed
-    ranks) or when the ranks' fingerprints differ (naming the first input that differs)."""
+    ranks) or when the ranks' fingerprints differ (naming the first input that differs;
+    ``names()`` is called only then)."""
     failed = [r for r, row in enumerate(table) if row[0]]
     if own_error is not None:
         raise own_error
@@ -310,9 +314,9 @@ def raise_if_disagree(table: list[list[int]], own_error: BaseException | None, n
     elif column == 2:
         what = "were given inputs of different structure or different non-tensor values"
     elif column < 3 + LEAF_SLOTS:
-        what = f"were given {_name(names, column - 3)} with different shapes or dtypes"
+        what = f"were given {_name(names(), column - 3)} with different shapes or dtypes"
     elif column < 3 + 2 * LEAF_SLOTS:
-        what = f"were given different values of {_name(names, column - 3 - LEAF_SLOTS)}"
+        what = f"were given different values of {_name(names(), column - 3 - LEAF_SLOTS)}"
     else:
         what = f"were given different inputs after the first {LEAF_SLOTS}"
     raise ValueError(

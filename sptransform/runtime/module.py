@@ -301,11 +301,12 @@ class ParallelModule(nn.Module):
         """Phase 1 (local: structure, graph, vocabulary), then phase 2 (ranks agree) — see
         ``runtime.checks``. An error of phase 1 is raised after phase 2, on every rank."""
         error, cached, values = None, None, {}
+        names = lambda: leaf_names(args, kwargs)  # noqa: E731  (only for messages)
         try:
             check_call(args, kwargs, self._call_defaults)
             cached, values = self._graph_for(args, kwargs)
             if cached.vocab_checks:
-                check_vocab(cached.vocab_checks, pytree.tree_leaves((tuple(args), dict(kwargs))), leaf_names(args, kwargs))
+                check_vocab(cached.vocab_checks, pytree.tree_leaves((tuple(args), dict(kwargs))), names)
         except Exception as err:  # held: raised below, after the ranks have compared notes
             error = err
         if self._agrees():
@@ -314,7 +315,7 @@ class ParallelModule(nn.Module):
             table = gather_fingerprints(rows, [self._mesh.get_group()], simulated)
             this = 0 if simulated else self._mesh.get_local_rank()
             label = (lambda r: f"simulated rank {r}") if simulated else (lambda r: f"rank {r}")
-            raise_if_disagree(table, error, leaf_names(args, kwargs) if error is None else [], label, this)
+            raise_if_disagree(table, error, names, label, this)
         if error is not None:
             raise error
         return cached, values
