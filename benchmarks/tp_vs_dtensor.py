@@ -306,6 +306,48 @@ def run_sides(makers: list[Callable[[], Side]], *, steps: int, warmup: int, lr: 
     return results
 
 
+def input_check_cost(pm, inputs: dict, repeats: int = 50) -> dict:
+    """What ``check_inputs`` adds to a call: the per-call checks (``ParallelModule._prepare``:
+    structure, graph lookup, vocabulary range, and with the check the fingerprint all-gather),
+    timed with and without the fingerprint, interleaved, medians over ``repeats``."""
+    import dataclasses
+
+    with_check, without = [], []
+    options = pm._options
+    unchecked = dataclasses.replace(options, check_inputs=False)
+    for _ in range(repeats):
+        for opts, times in ((options, with_check), (unchecked, without)):
+            pm._options = opts
+            dist.barrier()
+            start = time.perf_counter()
+            pm._prepare((), {**pm._call_defaults, **inputs})
+            times.append(time.perf_counter() - start)
+    pm._options = options
+    result = torch.tensor([statistics.median(with_check), statistics.median(without)], dtype=torch.float64)
+    dist.all_reduce(result, op=dist.ReduceOp.MAX)  # the slowest rank's medians
+    return {"prepare_s_with_check": float(result[0]), "prepare_s_without_check": float(result[1])}
+
+
+def input_check_lines(results: list[dict]) -> list[str]:
+    """The fingerprint check's cost: per call (timed alone) and in the step medians."""
+    from sptransform.runtime.checks import FINGERPRINT
+
+    by = {r["side"]: r for r in results}
+    checked, unchecked = by.get("sptransform sp=True"), by.get("sptransform sp=True check_inputs=False")
+    if not checked or not unchecked or "error" in checked or "error" in unchecked or "input_check" not in checked:
+        return []
+    cost = checked["input_check"]
+    added = cost["prepare_s_with_check"] - cost["prepare_s_without_check"]
+    step = checked["step_s"]
+    return [
+        f"input check (check_inputs=True, one all-gather of {FINGERPRINT} int64 per rank per call): "
+        f"{cost['prepare_s_with_check'] * 1e3:.3f} ms per call with it, {cost['prepare_s_without_check'] * 1e3:.3f} ms "
+        f"without (medians of 50): +{added * 1e3:.3f} ms = {100 * added / step:.3f}% of the {step:.3f} s step",
+        f"  step medians: {step:.3f} s with the check, {unchecked['step_s']:.3f} s without "
+        f"(ratio {step / unchecked['step_s']:.3f}; step-to-step noise on this machine is larger than the check)",
+    ]
+
+
 def sptransform_graph_counts(pm, tp: int) -> dict:
     """Collectives per step as sptransform's own graph states them (count and bytes)."""
     from sptransform.runtime.collectives import sync_grads
@@ -588,15 +630,18 @@ def dtensor_worker(args: argparse.Namespace) -> dict:
     def hf_loss(m):
         return m(input_ids=ids, labels=labels, use_cache=False).loss
 
-    def ours(sp: bool):
+    def ours(sp: bool, check_inputs: bool = True):
+        name = f"sptransform sp={sp}" + ("" if check_inputs else " check_inputs=False")
+
         def make() -> Side:
-            pm = sptransform.parallelize(
-                copy.deepcopy(base), tp=args.tp, sp=sp,
-                example_inputs={"input_ids": ids, "labels": labels, "use_cache": False},
-            )
-            return Side(f"sptransform sp={sp}", pm, hf_loss, note="unmodified HF GPT-2",
-                        extra={"graph": sptransform_graph_counts(pm, args.tp)})
-        make.side_name = f"sptransform sp={sp}"
+            inputs = {"input_ids": ids, "labels": labels, "use_cache": False}
+            pm = sptransform.parallelize(copy.deepcopy(base), tp=args.tp, sp=sp, example_inputs=inputs,
+                                         check_inputs=check_inputs)
+            extra = {"graph": sptransform_graph_counts(pm, args.tp)}
+            if check_inputs and sp:
+                extra["input_check"] = input_check_cost(pm, inputs)
+            return Side(name, pm, hf_loss, note="unmodified HF GPT-2", extra=extra)
+        make.side_name = name
         return make
 
     def theirs(sp: bool):
@@ -608,7 +653,7 @@ def dtensor_worker(args: argparse.Namespace) -> dict:
         make.side_name = f"DTensor sp={sp}"
         return make
 
-    makers = [ours(True), theirs(True), ours(False), theirs(False)]
+    makers = [ours(True), ours(True, check_inputs=False), theirs(True), ours(False), theirs(False)]
     results = run_sides(makers, steps=args.steps, warmup=args.warmup, lr=args.lr)
     return {"config": vars(args), "single_device_loss": reference, "results": results}
 
@@ -624,6 +669,7 @@ def main(argv: list[str] | None = None) -> int:
         f"single-device first loss: {ref['original']:.6f} (HF GPT-2 as is), {ref['linear_edit']:.6f} "
         "(Conv1D->Linear edit the DTensor side needs)",
         *ratio_lines(result["results"], [("sptransform sp=True", "DTensor sp=True"), ("sptransform sp=False", "DTensor sp=False")]),
+        *input_check_lines(result["results"]),
         "gradient sync of replicated params:",
         *("  " + l for l in grad_sync_lines(result["results"])),
         *graph_lines(result["results"]),

@@ -4,19 +4,24 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import inspect
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from sptransform.capture import FakeTemplate
-from sptransform.options import ParallelOptions, PipelineOptions
+from sptransform.options import DEFAULT_GRAPH_CACHE_SIZE, ParallelOptions, PipelineOptions
 from sptransform.pipeline.module import PipelinedModule
 from sptransform.pipeline.schedule import check_pipeline_options
 from sptransform.runtime.mesh import resolve_pipeline_mesh, resolve_tp_mesh
-from sptransform.runtime.module import ParallelModule, SteppedModule
-from sptransform.runtime.ops import RankGenerators, register_generators
-from sptransform.runtime.params import device_of
-from sptransform.torch_internals import local_tensor_mode, maybe_disable_local_tensor_mode
+from sptransform.runtime.module import ONE_STAGE_SCHEDULES, ParallelModule, SteppedModule
+from sptransform.pipeline.plan import first_microbatch
+from sptransform.runtime.checks import check_call
+from sptransform.runtime.params import call_defaults, device_of
+from sptransform.runtime.rendezvous import rendezvous, rendezvous_groups
+from sptransform.runtime.rng import RankGenerators
+from sptransform.torch_internals import local_tensor_mode, maybe_disable_local_tensor_mode, pytree
 from sptransform.transform import GraphFactory
 
 
@@ -35,6 +40,8 @@ def parallelize(
     n_microbatches: int | None = None,
     stages_per_rank: int | None = None,
     stored_microbatches: int | None = None,
+    check_inputs: bool = True,
+    graph_cache_size: int = DEFAULT_GRAPH_CACHE_SIZE,
 ) -> "nn.Module":
     """Turn an unmodified single-device ``model`` into one that trains across ``tp`` ranks
     with Megatron tensor parallelism (and sequence parallelism when ``sp``).
@@ -43,65 +50,147 @@ def parallelize(
     ``(args, kwargs)`` pair; it fixes which inputs the model is traced with. Omitted,
     token ids of shape ``[2, 8 * tp]`` (a multiple of tp, below the model's maximum
     length) are built for the model's input embedding and passed as the first input.
-    Other shapes are captured again on first use and cached; parameter placement
-    never changes. Must be called on every rank of an initialized process group
-    (``torchrun`` + ``init_process_group``) when ``tp > 1``.
+    Other shapes are captured again on first use and cached (``graph_cache_size`` of them,
+    least recently used dropped); parameter placement never changes. Must be called on
+    every rank of an initialized process group (``torchrun`` + ``init_process_group``)
+    when ``tp > 1``: it starts by meeting every rank, and a rank whose peers never come
+    fails when the process group's timeout ends the wait, saying so.
 
     Returns a ``ParallelModule`` whose parameters are DTensors on the TP mesh under
-    the original names. ``recompute`` partitions the parallel graph's forward and backward
-    with ``sptransform.passes.remat`` (compiled on the first call of each input shape;
-    real ranks only: AOTAutograd cannot trace LocalTensorMode's simulated ranks); with
-    ``pp`` each pipeline stage is partitioned on its first forward.
+    the original names. It follows ``train()``/``eval()`` and ``to(dtype)`` like the
+    original, checks each call's inputs (ids and labels inside the vocabulary; with
+    ``check_inputs``, the same inputs on every tensor-parallel rank, one small all-gather
+    per call) and has ``rng``, its generators' checkpointable state. ``recompute``
+    partitions the parallel graph's forward and backward with ``sptransform.passes.remat``
+    (compiled on the first call of each input shape; real ranks only: AOTAutograd cannot
+    trace LocalTensorMode's simulated ranks); with ``pp`` each pipeline stage is
+    partitioned on its first forward.
 
     Pipeline parallelism (``pp``, ``schedule``, ``n_microbatches``, ``stages_per_rank``;
-    see ``sptransform.pipeline.module``): with ``pp > 1``, or any of the others given, returns a
-    model trained by ``loss = model.step(*inputs, **kwargs)`` on a ``pp x tp`` mesh (a
-    ``PipelinedModule``; for ``pp=1`` a ``ParallelModule`` with ``step``). ``example_inputs``
-    is then a global batch, labels included; it is split into ``n_microbatches``
-    (default 1) along dim 0. ``schedule``: ``"gpipe"``, ``"1f1b"`` (default),
-    ``"interleaved1f1b"``, ``"looped_bfs"`` or ``"zbv"``. ``stored_microbatches=k`` with a
-    ``recompute`` policy is the paper's microbatch-level recomputation (its Appendix C): each
-    stage keeps every activation of up to ``k`` in-flight microbatches (a moving window) and
-    runs the policy on the others.
+    see ``sptransform.pipeline.module``): with ``pp > 1`` returns a model trained by
+    ``loss = model.step(*inputs, **kwargs)`` on a ``pp x tp`` mesh (a ``PipelinedModule``).
+    ``example_inputs`` is then a global batch, labels included; it is split into
+    ``n_microbatches`` (default 1) along dim 0. ``schedule``: ``"gpipe"``, ``"1f1b"``
+    (default), ``"interleaved1f1b"``, ``"looped_bfs"`` or ``"zbv"``.
+    ``stored_microbatches=k`` with a ``recompute`` policy is the paper's microbatch-level
+    recomputation (its Appendix C): each stage keeps every activation of up to ``k``
+    in-flight microbatches (a moving window) and runs the policy on the others. With
+    ``pp=1`` (and ``n_microbatches`` or ``schedule`` given) the result is a ``ParallelModule``
+    with ``step()``, which accumulates gradients over ``n_microbatches`` microbatches in the
+    order of ``schedule`` (``"1f1b"``: forward and backward of each in turn; ``"gpipe"``: all
+    forwards, then all backwards); multi-stage schedules, ``stages_per_rank`` and
+    ``stored_microbatches`` describe a pipeline of several stages and are refused.
+
+    Every argument is validated here; a bad one is a ``TypeError``/``ValueError`` naming the
+    value, the rule and the fix.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallelize expects an nn.Module, got {type(model).__name__}")
-    options = ParallelOptions(tp=tp, sp=sp, dropout_rng=dropout_rng, seed=seed, recompute=recompute)
-    pipelined = (pp, schedule, n_microbatches, stages_per_rank, stored_microbatches) != (1, None, None, None, None)
-    if stored_microbatches is not None and recompute == "none":
-        raise ValueError(
-            f"stored_microbatches={stored_microbatches} keeps every activation of that many microbatches and "
-            "recomputes the others, but recompute='none' recomputes nothing: pass recompute='selective' or 'full'"
-        )
+    options = ParallelOptions(tp=tp, sp=sp, dropout_rng=dropout_rng, seed=seed, recompute=recompute,
+                              check_inputs=check_inputs, graph_cache_size=graph_cache_size)
+    _check_mesh(mesh)
+    pipeline = _pipeline_options(options, pp, schedule, n_microbatches, stages_per_rank, stored_microbatches)
     device = device_of(model)
-    if pipelined:
-        pipeline = PipelineOptions(pp=pp, schedule=schedule or "1f1b", n_microbatches=n_microbatches or 1,
-                                   stages_per_rank=stages_per_rank, stored_microbatches=stored_microbatches)
-        check_pipeline_options(pipeline)
-        args, kwargs = normalize_example_inputs(model, example_inputs, tp)
-        if pipeline.pp == 1:
-            tp_mesh = resolve_tp_mesh(tp, mesh, device)
-            return SteppedModule(model, factory=_factory(model, options, tp_mesh, device), options=options,
-                                 mesh=tp_mesh, example_args=args, example_kwargs=kwargs)
+    args, kwargs = normalize_example_inputs(model, example_inputs, tp)
+    check_example_inputs(model, args, kwargs)
+    rendezvous(rendezvous_groups(mesh), {
+        "options": (options, pipeline),
+        "models": [(name, tuple(t.shape), str(t.dtype)) for name, t in
+                   [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]],
+        "example input shapes": [(tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else repr(x)
+                                 for x in pytree.tree_leaves((args, kwargs))],
+    }, device)
+    if pipeline is not None and pipeline.pp > 1:
         mesh = resolve_pipeline_mesh(pipeline.pp, tp, mesh, device)
         return PipelinedModule(model, factory=_factory(model, options, mesh["tp"], device), options=options,
                                pipeline=pipeline, mesh=mesh, example_args=args, example_kwargs=kwargs)
     mesh = resolve_tp_mesh(tp, mesh, device)
-    args, kwargs = normalize_example_inputs(model, example_inputs, tp)
-    return ParallelModule(model, factory=_factory(model, options, mesh, device), options=options, mesh=mesh,
-                          example_args=args, example_kwargs=kwargs)
+    factory = _factory(model, options, mesh, device)
+    if pipeline is not None:  # pp=1 with n_microbatches: a whole step per call, microbatch by microbatch
+        mb_args, mb_kwargs, _ = first_microbatch(args, {**call_defaults(model), **kwargs}, pipeline.n_microbatches)
+        return SteppedModule(model, factory=factory, options=options, mesh=mesh, example_args=mb_args,
+                             example_kwargs=mb_kwargs, n_microbatches=pipeline.n_microbatches,
+                             schedule=pipeline.schedule)
+    return ParallelModule(model, factory=factory, options=options, mesh=mesh, example_args=args, example_kwargs=kwargs)
+
+
+def _check_mesh(mesh) -> None:
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"mesh must be a torch.distributed.device_mesh.DeviceMesh (1-D of tp ranks, or 2-D ('pp', 'tp')), got "
+            f"{type(mesh).__name__}: build one with init_device_mesh, or leave mesh=None to use the whole process group"
+        )
+
+
+def _pipeline_options(options: ParallelOptions, pp, schedule, n_microbatches, stages_per_rank,
+                      stored_microbatches) -> PipelineOptions | None:
+    """The pipeline options, validated, or None when none was given. With ``pp=1`` only
+    ``n_microbatches`` means something (gradient accumulation in ``step()``); the others
+    describe a pipeline and are refused rather than ignored."""
+    if (pp, schedule, n_microbatches, stages_per_rank, stored_microbatches) == (1, None, None, None, None):
+        return None
+    pipeline = PipelineOptions(pp=pp, schedule=schedule if schedule is not None else "1f1b",
+                               n_microbatches=1 if n_microbatches is None else n_microbatches,
+                               stages_per_rank=stages_per_rank, stored_microbatches=stored_microbatches)
+    if stored_microbatches is not None and options.recompute == "none":
+        raise ValueError(
+            f"stored_microbatches={stored_microbatches} keeps every activation of that many microbatches and "
+            "recomputes the others, but recompute='none' recomputes nothing: pass recompute='selective' or 'full'"
+        )
+    if pipeline.pp == 1:
+        refused = [f"{name}={value!r}" for name, value in (("stages_per_rank", stages_per_rank),
+                                                           ("stored_microbatches", stored_microbatches))
+                   if value is not None]
+        if schedule is not None and pipeline.schedule not in ONE_STAGE_SCHEDULES:
+            refused.insert(0, f"schedule={schedule!r}")
+        if refused:
+            raise ValueError(
+                f"{', '.join(refused)} describe{'s' if len(refused) == 1 else ''} a pipeline of several stages, and "
+                "pp=1 has one: pass pp > 1, or drop them (with pp=1, step() runs n_microbatches= microbatches in "
+                "the order of schedule='1f1b' (default) or 'gpipe')"
+            )
+        return pipeline
+    check_pipeline_options(pipeline)
+    return pipeline
 
 
 def _factory(model: nn.Module, options: ParallelOptions, tp_mesh: DeviceMesh | None, device: torch.device) -> GraphFactory:
     """The graph factory of one parallel module: a fake copy of ``model`` to trace, and this
-    rank's dropout generators (one per simulated rank under LocalTensorMode)."""
+    rank's dropout generators (one per simulated rank under LocalTensorMode), owned by the
+    module through the factory (graphs reach them by key through a weak registry)."""
     with maybe_disable_local_tensor_mode():
         template = FakeTemplate(model, device)
     seed = options.seed if options.seed is not None else torch.initial_seed()
     rank = None if tp_mesh is None or local_tensor_mode() is not None else tp_mesh.get_local_rank()
-    generators = register_generators(RankGenerators(seed, options.tp, rank))
+    generators = RankGenerators(seed, options.tp, rank)
     group = tp_mesh.get_group().group_name if tp_mesh is not None else None
     return GraphFactory(template, options, group, generators, device)
+
+
+def check_example_inputs(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """``example_inputs`` must bind to ``model.forward`` and hold tensors and plain values only."""
+    leaves = pytree.tree_leaves((tuple(args), dict(kwargs)))
+    for leaf in leaves:
+        if not isinstance(leaf, (torch.Tensor, int, float, bool, str, type(None))):
+            raise TypeError(
+                f"example_inputs holds a {type(leaf).__name__} ({leaf!r:.80}); sptransform captures tensors and plain "
+                "values (int, float, bool, str, None) in tuples, lists and dicts: pass those"
+            )
+    for key in kwargs:
+        if not isinstance(key, str):
+            raise TypeError(f"example_inputs keyword names must be str, got {key!r}")
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return  # a forward without a readable signature: capture will tell
+    try:
+        signature.bind(*args, **{**call_defaults(model), **kwargs})
+    except TypeError as err:
+        raise TypeError(
+            f"example_inputs do not fit {type(model).__name__}.forward{signature}: {err}; pass a tuple of positional "
+            "inputs, a dict of keyword inputs, or (args, kwargs), as you would call the model"
+        ) from None
+    check_call(args, {**call_defaults(model), **kwargs}, call_defaults(model), example=True)
 
 
 def normalize_example_inputs(model: nn.Module, example_inputs: Any, tp: int) -> tuple[tuple, dict]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.fx as fx
@@ -60,8 +60,41 @@ class FakeTemplate:
             for t in list(model.parameters()) + list(model.buffers()):
                 fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
                 memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
-        self.module = copy.deepcopy(model, memo)
-        self.module.train(model.training)
+        self.module = copy.deepcopy(model, memo)  # keeps every submodule's own train/eval flag
+
+    # -- what a capture depends on besides the inputs: modes and dtypes ---------------
+
+    def set_modes(self, modes: Mapping[str, bool]) -> None:
+        """Set each named submodule's ``training`` flag (not recursively): a capture bakes
+        ``self.training`` reads (dropout, HF's attention dropout) into the graph, so the
+        template is put in the mode the caller runs in before each capture."""
+        modules = dict(self.module.named_modules())
+        for name, training in modes.items():
+            modules[name].training = bool(training)
+
+    def state_dtypes(self) -> dict[str, torch.dtype]:
+        """dtype of every parameter and buffer, by name (tied ones under each name)."""
+        named = {**dict(self.module.named_parameters(remove_duplicate=False)),
+                 **dict(self.module.named_buffers(remove_duplicate=False))}
+        return {name: t.dtype for name, t in named.items()}
+
+    def retype(self, dtypes: Mapping[str, torch.dtype]) -> None:
+        """Give the named parameters and buffers new dtypes (``pm.to(torch.float64)`` converted
+        the real ones; the next capture must see the same dtypes). Tied tensors stay tied."""
+        current = self.state_dtypes()
+        replaced: dict[int, torch.Tensor] = {}
+        for name, dtype in dtypes.items():
+            if current.get(name, dtype) == dtype:
+                continue
+            *parents, leaf = name.split(".")
+            owner = self.module.get_submodule(".".join(parents))
+            old = getattr(owner, leaf)
+            if id(old) not in replaced:
+                with self.fake_mode:
+                    fake = torch.empty_strided(old.shape, old.stride(), dtype=dtype, device=old.device)
+                replaced[id(old)] = (nn.Parameter(fake, requires_grad=old.requires_grad)
+                                     if isinstance(old, nn.Parameter) else fake)
+            setattr(owner, leaf, replaced[id(old)])
 
     def fake_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         def convert(x):
@@ -83,7 +116,7 @@ def capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph:
     except Exception as err:  # torch raises many types here; re-raise one the user can act on
         raise ValueError(
             "sptransform could not capture the model as one graph "
-            f"({type(err).__name__}: {str(err).splitlines()[0][:300]}). "
+            f"({type(err).__name__}: {(str(err).strip().splitlines() or [repr(err)])[0][:300]}). "
             "The forward must be traceable without data-dependent control flow or graph "
             "breaks; see the README's 'Limits'."
         ) from err

@@ -32,11 +32,55 @@ schedules that run several stages per rank."""
 DropoutRng = Literal["independent", "reference"]
 
 
-def _check_int(name: str, value, *, minimum: int) -> None:
+def _check_int(name: str, value, *, minimum: int, maximum: int | None = None, fix: str = "") -> None:
+    """An int (not a bool) in ``[minimum, maximum)``; the error names the value, the rule and ``fix``."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name}={value} must be at least {minimum}")
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})" + (f": {fix}" if fix else ""))
+    if value < minimum or (maximum is not None and value >= maximum):
+        rule = f"at least {minimum}" if maximum is None else f"in [{minimum}, {maximum})"
+        raise ValueError(f"{name}={value} must be {rule}" + (f": {fix}" if fix else ""))
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+
+
+SEED_LIMIT = 2**63
+"""Seeds are ints in ``[0, 2**63)``: ``torch.Generator.manual_seed`` takes a 64-bit value and
+the per-rank generators add the rank to it."""
+
+DEFAULT_GRAPH_CACHE_SIZE = 8
+"""Input signatures (shape, dtype, structure, train/eval mode) whose transformed graphs a
+``ParallelModule`` keeps; the least recently used is dropped beyond this (each graph holds
+about 1-2 MiB for a small model, several times that with ``recompute``)."""
+
+
+def _check_recompute(recompute) -> None:
+    """A policy name, or a budget: bytes per rank (int >= 2) or a fraction of ``"none"`` in (0, 1]."""
+    if isinstance(recompute, str):
+        if recompute not in RECOMPUTE_POLICIES:
+            raise ValueError(
+                f"recompute={recompute!r} is not a policy: use one of {list(RECOMPUTE_POLICIES)} "
+                "or a memory budget (bytes per rank, or a fraction of 'none' in (0, 1])"
+            )
+        return
+    if isinstance(recompute, bool) or not isinstance(recompute, (int, float)):
+        raise TypeError(
+            f"recompute={recompute!r} ({type(recompute).__name__}) is neither a policy nor a budget: use one of "
+            f"{list(RECOMPUTE_POLICIES)}, an int of bytes per rank, or a float fraction of 'none' in (0, 1]"
+        )
+    if isinstance(recompute, float):
+        if not 0 < recompute <= 1:  # also false for nan
+            raise ValueError(
+                f"recompute={recompute!r}: a float budget is a fraction of what recompute='none' saves and must be "
+                "in (0, 1]; pass bytes per rank as an int"
+            )
+    elif recompute < 2:
+        raise ValueError(
+            f"recompute={recompute!r}: an int budget is bytes per rank and must be at least 2; "
+            "pass 1.0 for the whole of recompute='none', or a fraction in (0, 1] as a float"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,21 +99,27 @@ class ParallelOptions:
     ``"selective"`` (attention internals), ``"full"`` (all but each layer's input),
     ``"norm_upproj"``, or a memory budget: bytes per rank (int > 1) or a fraction of
     ``"none"`` (float in (0, 1])."""
+    check_inputs: bool = True
+    """Before each call, compare a fingerprint of the inputs (shapes, dtypes, values, train/eval
+    mode) across the tensor-parallel ranks in one small all-gather, so that ranks given
+    different batches fail with a clear error on every rank instead of computing a loss that
+    matches neither, or aborting inside a collective. ``False`` skips the collective (the
+    cheap local checks, token ids and labels inside the vocabulary, stay)."""
+    graph_cache_size: int = DEFAULT_GRAPH_CACHE_SIZE
+    """Transformed graphs kept, one per input signature and mode; least recently used dropped."""
 
     def __post_init__(self) -> None:
         _check_int("tp", self.tp, minimum=1)
-        if not isinstance(self.sp, bool):
-            raise TypeError(f"sp must be True or False, got {self.sp!r}")
+        _check_bool("sp", self.sp)
         if self.dropout_rng not in get_args(DropoutRng):
             raise ValueError(f"dropout_rng={self.dropout_rng!r}: use 'independent' or 'reference'")
-        if isinstance(self.recompute, str):
-            if self.recompute not in RECOMPUTE_POLICIES:
-                raise ValueError(
-                    f"recompute={self.recompute!r} is not a policy: use one of {list(RECOMPUTE_POLICIES)} "
-                    "or a memory budget (bytes per rank, or a fraction of 'none' in (0, 1])"
-                )
-        elif isinstance(self.recompute, bool) or not isinstance(self.recompute, (int, float)) or self.recompute <= 0:
-            raise ValueError(f"recompute={self.recompute!r}: a budget must be a positive number of bytes or a fraction")
+        if self.seed is not None:
+            _check_int("seed", self.seed, minimum=0, maximum=SEED_LIMIT,
+                       fix="pass an int in [0, 2**63), or None for torch.initial_seed()")
+        _check_recompute(self.recompute)
+        _check_bool("check_inputs", self.check_inputs)
+        _check_int("graph_cache_size", self.graph_cache_size, minimum=1,
+                   fix="the number of input signatures whose graphs are kept (default 8)")
 
     @property
     def remat(self) -> "RematOptions | None":
@@ -98,11 +148,16 @@ class PipelineOptions:
 
     def __post_init__(self) -> None:
         _check_int("pp", self.pp, minimum=1)
-        _check_int("n_microbatches", self.n_microbatches, minimum=1)
+        _check_int("n_microbatches", self.n_microbatches, minimum=1,
+                   fix="the number of microbatches each global batch is split into (1: the whole batch at once)")
         if self.stored_microbatches is not None:
-            _check_int("stored_microbatches", self.stored_microbatches, minimum=0)
+            _check_int("stored_microbatches", self.stored_microbatches, minimum=0,
+                       fix="the in-flight microbatches whose activations are all kept (0: recompute every one)")
         if self.stages_per_rank is not None:
-            _check_int("stages_per_rank", self.stages_per_rank, minimum=1)
+            _check_int("stages_per_rank", self.stages_per_rank, minimum=1,
+                       fix="pipeline stages per rank (1, or 2 for interleaved1f1b/looped_bfs/zbv)")
+        if not isinstance(self.schedule, str):
+            raise TypeError(f"schedule must be a name, got {self.schedule!r}; use one of {', '.join(SCHEDULE_NAMES)}")
         if str(self.schedule).lower() not in SCHEDULE_NAMES:
             raise ValueError(f"schedule={self.schedule!r} is not one sptransform runs; use one of {', '.join(SCHEDULE_NAMES)}")
 

@@ -175,6 +175,15 @@ def dynamo_static_input(x) -> bool:
     return getattr(x, "_dynamo_static_input_type", None) is not None
 
 
+def local_values(t) -> "dict[int, torch.Tensor] | None":
+    """Each simulated rank's tensor of a ``LocalTensor`` (``LocalTensor._local_tensors``), else None:
+    input checks and ``pm.rng`` read every simulated rank's value without a collective.
+    Public replacement: none (LocalTensor is itself private)."""
+    if isinstance(t, LocalTensor):
+        return dict(t._local_tensors)
+    return None
+
+
 def stage_forward_cache(stage) -> dict:
     """``PipelineStage.fwd_cache``: the outputs a stage keeps until that microbatch's backward,
     which ``_FreeingStage`` releases early. Public replacement: none."""
@@ -188,7 +197,8 @@ __all__ = [
     "register_lazy_dtensor_strategies", "sharding_propagator",
     "FakeStore", "FakeTensor", "FakeTensorMode", "LocalTensor", "LocalTensorMode", "StorageWeakRef", "StridedShard",
     "TESTED_TORCH", "aot_module_simplified", "default_partition", "detect_fake_mode", "dynamo_static_input", "funcol",
-    "functorch_config", "generate_stage_to_rank_mapping", "get_schedule_ops", "local_tensor_mode", "make_boxed_func",
+    "functorch_config", "generate_stage_to_rank_mapping", "get_schedule_ops", "local_tensor_mode", "local_values",
+    "make_boxed_func",
     "maybe_disable_local_tensor_mode", "min_cut_rematerialization_partition", "partitioners", "pytree",
     "resolve_process_group", "run_and_save_rng_state", "run_with_rng_state", "stage_forward_cache", "tensor_map",
 ]

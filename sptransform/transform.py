@@ -27,7 +27,7 @@ import copy
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -44,7 +44,9 @@ from sptransform.passes.remat import remat_partition
 from sptransform.passes.tensor_parallel import add_rank_input, apply_placements
 from sptransform.pipeline.plan import PipelinePlan
 from sptransform.pipeline.plan import plan_pipeline as _plan_pipeline
+from sptransform.pipeline.plan import resplit_pipeline
 from sptransform.runtime.collectives import _resolve
+from sptransform.runtime.rng import RankGenerators
 from sptransform.torch_internals import aot_module_simplified, local_tensor_mode, make_boxed_func, maybe_disable_local_tensor_mode
 
 log = logging.getLogger(__name__)
@@ -183,23 +185,38 @@ def compile_with_remat(gm: fx.GraphModule, inputs: list, remat: RematOptions, st
 
 @dataclass
 class GraphFactory:
-    """What a parallel module asks for when it meets a new input signature: the transformed
-    graph (``build``) and, with ``recompute``, its AOTAutograd-partitioned runner (``compile``).
-    Handing this to the runtime keeps ``runtime/`` free of passes."""
+    """What a parallel module asks for when it meets a new input signature, mode or dtype: the
+    transformed graph (``build``), the pipeline split, and, with ``recompute``, the
+    AOTAutograd-partitioned runner (``compile``). Handing this to the runtime keeps
+    ``runtime/`` free of passes. It owns the module's dropout generators (graphs reach them
+    by key through a weak registry, so they are freed with the module)."""
 
     template: FakeTemplate
     options: ParallelOptions
     group: str | None
-    generators: int
+    generators: RankGenerators
     device: torch.device
 
-    def build(self, args: tuple, kwargs: dict) -> ParallelGraph:
-        graph = build_parallel_graph(self.template, args, kwargs, self.options, self.group, self.generators)
+    def build(self, args: tuple, kwargs: dict, *, modes: Mapping[str, bool] | None = None,
+              dtypes: Mapping[str, torch.dtype] | None = None) -> ParallelGraph:
+        """The parallel graph of ``args``/``kwargs``, captured with the template's submodules in
+        ``modes`` (name -> training) and its parameters/buffers in ``dtypes`` (name -> dtype)."""
+        if modes is not None:
+            self.template.set_modes(modes)
+        if dtypes is not None:
+            with maybe_disable_local_tensor_mode():  # fake tensors of one rank, never simulated ones
+                self.template.retype(dtypes)
+        graph = build_parallel_graph(self.template, args, kwargs, self.options, self.group, self.generators.key)
         graph.gm.to(self.device)  # index tables the passes added live with the parameters
         return graph
 
     def plan_pipeline(self, graph: ParallelGraph, args: tuple, kwargs: dict, pipeline: PipelineOptions) -> PipelinePlan:
         return plan_pipeline(graph, self.template, args, kwargs, pipeline)
+
+    def split_like(self, graph: ParallelGraph, plan: PipelinePlan) -> PipelinePlan:
+        """``graph`` (the same model captured in another train/eval mode) cut at ``plan``'s stage
+        starts: the same layers, parameters and ranks per stage, no new cost measurement."""
+        return resplit_pipeline(graph, plan)
 
     def compile(self, gm: fx.GraphModule, inputs: list, state_positions: Sequence[int]) -> Callable:
         remat = self.options.remat

@@ -124,3 +124,86 @@ def test_data_dependent_control_flow_is_a_clear_capture_error():
 def test_example_inputs_of_a_wrong_type():
     with pytest.raises(TypeError, match="example_inputs must be"):
         sptransform.parallelize(TinyLM(TinyConfig()), tp=1, example_inputs=3)
+
+
+def _ids():
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, 61, (4, 8), generator=g)
+
+
+BAD_OPTIONS = [
+    # (keyword arguments of parallelize(TinyLM, tp=1, ...), error, message pattern): value, rule, fix
+    (dict(seed="x"), TypeError, r"seed must be an int, got 'x' \(str\): pass an int in \[0, 2\*\*63\), or None"),
+    (dict(seed=1.5), TypeError, r"seed must be an int, got 1.5 \(float\)"),
+    (dict(seed=True), TypeError, r"seed must be an int, got True \(bool\)"),
+    (dict(seed=2**70), ValueError, r"seed=1180591620717411303424 must be in \[0, 9223372036854775808\)"),
+    (dict(seed=-1), ValueError, r"seed=-1 must be in \[0, "),
+    (dict(n_microbatches=0), ValueError, r"n_microbatches=0 must be at least 1: the number of microbatches"),
+    (dict(n_microbatches=2.0), TypeError, r"n_microbatches must be an int, got 2.0"),
+    (dict(n_microbatches=3), ValueError, r"a batch of 4 cannot be split into n_microbatches=3 .*use n_microbatches in"),
+    (dict(pp=0), ValueError, r"pp=0 must be at least 1"),
+    (dict(pp=2, stages_per_rank=0), ValueError, r"stages_per_rank=0 must be at least 1"),
+    (dict(pp=2, stages_per_rank=2), ValueError, r"schedule='1f1b' runs 1 stage\(s\) per rank, not stages_per_rank=2"),
+    (dict(pp=2, stored_microbatches=-1, recompute="full"), ValueError, r"stored_microbatches=-1 must be at least 0"),
+    (dict(pp=2, stored_microbatches=1), ValueError, r"stored_microbatches=1 .* recompute='none' recomputes nothing"),
+    (dict(stages_per_rank=1), ValueError, r"stages_per_rank=1 describes a pipeline of several stages, and pp=1 has one"),
+    (dict(stored_microbatches=1, recompute="full"), ValueError, r"stored_microbatches=1 describes a pipeline"),
+    (dict(schedule="zbv"), ValueError, r"schedule='zbv' describes a pipeline.*'1f1b' \(default\) or 'gpipe'"),
+    (dict(schedule="interleaved1f1b", n_microbatches=2), ValueError, r"schedule='interleaved1f1b' describes"),
+    (dict(schedule="round_robin"), ValueError, r"schedule='round_robin' is not one sptransform runs; use one of gpipe"),
+    (dict(schedule=3), TypeError, r"schedule must be a name, got 3"),
+    (dict(recompute=1.5), ValueError, r"recompute=1.5: a float budget is a fraction .* must be in \(0, 1\]"),
+    (dict(recompute=float("nan")), ValueError, r"recompute=nan: a float budget"),
+    (dict(recompute=0.0), ValueError, r"recompute=0.0: a float budget"),
+    (dict(recompute=1), ValueError, r"recompute=1: an int budget is bytes per rank and must be at least 2; pass 1.0"),
+    (dict(recompute=True), TypeError, r"recompute=True \(bool\) is neither a policy nor a budget"),
+    (dict(recompute=[0.5]), TypeError, r"recompute=\[0.5\] \(list\) is neither a policy nor a budget"),
+    (dict(check_inputs="yes"), TypeError, r"check_inputs must be True or False, got 'yes'"),
+    (dict(graph_cache_size=0), ValueError, r"graph_cache_size=0 must be at least 1: the number of input signatures"),
+    (dict(graph_cache_size=None), TypeError, r"graph_cache_size must be an int, got None"),
+    (dict(sp=1), TypeError, r"sp must be True or False, got 1"),
+    (dict(dropout_rng=None), ValueError, r"dropout_rng=None: use 'independent' or 'reference'"),
+    (dict(mesh="cpu"), TypeError, r"mesh must be a torch.distributed.device_mesh.DeviceMesh .*got str"),
+    (dict(example_inputs=3), TypeError, r"example_inputs must be a tuple of positional inputs, a dict"),
+    (dict(example_inputs=(_ids(), _ids(), _ids())), TypeError,
+     r"example_inputs do not fit TinyLM.forward\(ids, targets\): too many positional arguments"),
+    (dict(example_inputs={"ids": _ids(), "labels": _ids()}), TypeError,
+     r"example_inputs do not fit TinyLM.forward.*missing a required argument: 'targets'"),
+    (dict(example_inputs=(_ids(), object())), TypeError, r"example_inputs holds a object .*pass those"),
+    (dict(example_inputs=(_ids(),), ), TypeError, r"do not fit TinyLM.forward.*missing a required argument"),
+    (dict(example_inputs=((_ids(), _ids()), {"targets": _ids()})), TypeError, r"multiple values for argument 'targets'"),
+]
+
+
+@pytest.mark.parametrize("kwargs,error,pattern", BAD_OPTIONS, ids=[", ".join(f"{k}={v!r:.20}" for k, v in c[0].items())
+                                                                   for c in BAD_OPTIONS])
+def test_bad_options_are_refused_at_the_call(kwargs, error, pattern):
+    """Every option is validated before anything is built (no process group needed even for pp=2)."""
+    kwargs = {"example_inputs": (_ids(), _ids()), **kwargs}
+    with pytest.raises(error, match=pattern):
+        sptransform.parallelize(TinyLM(TinyConfig()), tp=1, **kwargs)
+
+
+def test_use_cache_true_in_example_inputs_is_refused():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=61, n_positions=64)
+    with pytest.raises(ValueError, match=r"use_cache=True: .*pass use_cache=False"):
+        sptransform.parallelize(transformers.GPT2LMHeadModel(config), tp=1,
+                                example_inputs=dict(input_ids=_ids(), use_cache=True))
+
+
+def test_pp1_options_are_used_not_ignored():
+    """pp=1 with n_microbatches and schedule: step() accumulates over the microbatches."""
+    import copy
+
+    torch.manual_seed(0)
+    model = TinyLM(TinyConfig())
+    ref = copy.deepcopy(model)
+    ids, targets = _ids(), _ids().roll(1, 1)
+    pm = sptransform.parallelize(model, tp=1, n_microbatches=2, schedule="gpipe", example_inputs=(ids, targets))
+    loss = pm.step(ids, targets)
+    expected = (ref(ids[:2], targets[:2]) + ref(ids[2:], targets[2:])) / 2
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    for (name, p), q in zip(pm.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, n=name: f"{n}: {m}")

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from sptransform.capture import FakeTemplate
 from sptransform.options import ParallelOptions
-from sptransform.runtime.ops import RankGenerators, register_generators
+from sptransform.runtime.rng import RankGenerators
 from sptransform.torch_internals import FakeStore, detect_fake_mode
 from sptransform.transform import build_parallel_graph
 
@@ -36,6 +36,9 @@ class RankGraph:
     state_inputs: list[int]
     """Positions of parameters and buffers among ``inputs``."""
     notes: list[str]
+    generators: RankGenerators | None = None
+    """The dropout generators the graph's dropout ops reach by key (weakly): held here so
+    they live as long as the graph."""
 
 
 @contextlib.contextmanager
@@ -72,8 +75,8 @@ def rank_graph(model: nn.Module, args: tuple, *, tp: int, sp: bool) -> RankGraph
     """Rank 0's forward graph of ``parallelize(model, tp=tp, sp=sp)`` on inputs shaped like ``args``."""
     group = join_fake_group(tp)
     template = FakeTemplate(model, torch.device("cpu"))
-    generators = register_generators(RankGenerators(0, tp, 0))
-    graph = build_parallel_graph(template, tuple(args), {}, ParallelOptions(tp=tp, sp=sp), group, generators)
+    generators = RankGenerators(0, tp, 0)
+    graph = build_parallel_graph(template, tuple(args), {}, ParallelOptions(tp=tp, sp=sp), group, generators.key)
     captured, plan = graph.captured, graph.plan
     placeholders = list(captured.gm.graph.find_nodes(op="placeholder"))
     fake_mode = detect_fake_mode([p.meta["val"] for p in placeholders if "val" in p.meta])
@@ -95,4 +98,4 @@ def rank_graph(model: nn.Module, args: tuple, *, tp: int, sp: bool) -> RankGraph
             else:
                 inputs.append(torch.empty(shape, dtype=value.dtype))
     notes = list(plan.notes) if plan is not None else []
-    return RankGraph(captured.gm, inputs, list(range(len(captured.state_names))), notes)
+    return RankGraph(captured.gm, inputs, list(range(len(captured.state_names))), notes, generators)

@@ -62,5 +62,10 @@ def index_table(gm: fx.GraphModule, anchor: fx.Node, spec: DimShard, tp: int) ->
     while hasattr(gm, name):
         name += "_"
     gm.register_buffer(name, table, persistent=False)
+    if anchor.op == "placeholder":
+        # A user input cut to this rank's part (a float input joining the sequence-split
+        # stream): what reads the table also reads the rank, the last placeholder, so the
+        # table goes after every placeholder.
+        anchor = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
     with gm.graph.inserting_after(anchor):
         return gm.graph.get_attr(name)

@@ -22,6 +22,14 @@ untied: when the schedule places the first and last stage on one rank (V-shaped,
 ``schedule="zbv"``) both stages read the same ``nn.Parameter`` and its gradient
 accumulates; otherwise each holding rank keeps a copy and ``step`` sums their
 gradients every step (copies start equal and receive equal updates).
+
+Like ``ParallelModule`` it follows the original's train/eval modes: the stages of another
+mode combination are the model captured again in that mode and cut at the same stage
+starts (same layers, parameters and ranks), with their own torch schedule, built on the
+first ``step`` in that mode. ``step`` checks its batch before the schedule runs any
+collective (``runtime.checks``; fingerprints are gathered over the tensor-parallel then
+the pipeline group). ``pm.rng`` holds every rank's generator state; ``to(dtype)`` is
+refused with what to do instead.
 """
 
 from __future__ import annotations
@@ -32,10 +40,18 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from dataclasses import dataclass
+
 from sptransform.capture import CapturedGraph, input_signature
+from sptransform.graph.plan import ParallelGraph
 from sptransform.options import ParallelOptions, PipelineOptions
 from sptransform.pipeline.plan import PipelinePlan, first_microbatch
+from sptransform.runtime.checks import (
+    check_call, check_vocab, fingerprint, gather_fingerprints, leaf_names, raise_if_disagree, vocab_checks,
+)
+from sptransform.runtime.module import mirror_modules
 from sptransform.runtime.params import call_defaults, device_of, placement_of, set_by_path, shard_parameter
+from sptransform.runtime.rng import RngState
 from sptransform.pipeline.schedule import fully_stored, schedule_spec
 from sptransform.pipeline.stage import StageModule, _FreeingStage, _Stage
 from sptransform.torch_internals import functorch_config, pytree
@@ -52,38 +68,53 @@ class _MicrobatchMean:
         return output / self.n
 
 
+@dataclass
+class _Run:
+    """What runs a step in one train/eval mode combination: the stage graphs and their schedule."""
+
+    plan: PipelinePlan
+    stage_modules: list[StageModule]
+    stages: list
+    schedule: object
+
+
 class PipelinedModule(nn.Module):
     def __init__(self, model: nn.Module, *, factory, options: ParallelOptions, pipeline: PipelineOptions,
                  mesh: DeviceMesh, example_args: tuple, example_kwargs: dict):
         """``factory``: a ``transform.GraphFactory`` for the ``tp`` sub-mesh (builds the graph of
-        one microbatch, splits it, compiles stages under ``recompute``)."""
+        one microbatch, splits it, compiles stages under ``recompute``; owns the dropout generators)."""
         super().__init__()
         self._options, self._pipeline, self._mesh = options, pipeline, mesh
+        self._factory = factory
         tp_mesh, pp_mesh = mesh["tp"], mesh["pp"]
         self._tp_mesh, self._pp_group = tp_mesh, pp_mesh.get_group()
         self._pp_rank, tp_rank = pp_mesh.get_local_rank(), tp_mesh.get_local_rank()
         self._device = device_of(model)
         self._call_defaults = call_defaults(model)
+        self._mode_names = [name for name, _ in model.named_modules()]
+        self._mode_modules = mirror_modules(self, model)
         kwargs = {**self._call_defaults, **example_kwargs}
+        check_call(example_args, kwargs, self._call_defaults, example=True)
         self._signature = input_signature(example_args, kwargs)
         mb_args, mb_kwargs, self._batch = first_microbatch(example_args, kwargs, pipeline.n_microbatches)
-        graph = factory.build(mb_args, mb_kwargs)
+        self._microbatch = (mb_args, mb_kwargs)
+        graph = factory.build(mb_args, mb_kwargs, modes=self._modes())
         self._graph = graph
         self.pipeline_plan: PipelinePlan = factory.plan_pipeline(graph, mb_args, mb_kwargs, pipeline)
         self._placements = graph.plan.placements if graph.plan is not None else {}
         self._rank = torch.tensor(tp_rank, device=self._device)
         local = self.pipeline_plan.stages_of(self._pp_rank)
-        state = self._register_state(model, {n for s in local for n in s.state_names}, graph.captured)
-        fixed = {i: x for i, x in enumerate(pytree.tree_leaves((tuple(mb_args), dict(mb_kwargs))))
-                 if not isinstance(x, torch.Tensor)}
-        stored = fully_stored(pipeline)
-        compile_stage = factory.compile if options.remat is not None else None
-        self._stage_modules = [StageModule(s, state, fixed, self._rank, compile_stage, stored[s.index])
-                               for s in local]
+        self._state = self._register_state(model, {n for s in local for n in s.state_names}, graph.captured)
+        self._fixed = {i: x for i, x in enumerate(pytree.tree_leaves((tuple(mb_args), dict(mb_kwargs))))
+                       if not isinstance(x, torch.Tensor)}
+        self._runs = {self._mode_key(): self._make_run(self.pipeline_plan)}
         self._tied_groups = self._tied_gradient_groups()
-        self._schedule = self._build_schedule()
         self._target = torch.zeros(pipeline.n_microbatches, device=self._device)
-        self.train(model.training)
+        self._state_dtypes = self._dtypes()
+        captured = graph.captured
+        self._vocab_checks = vocab_checks(captured.gm, len(captured.state_names), captured.num_user_inputs,
+                                          graph.plan.vocab if graph.plan is not None else None)
+        self._rng = RngState(factory.generators, mesh, self._device)
 
     # -- construction -------------------------------------------------------
 
@@ -136,40 +167,106 @@ class PipelinedModule(nn.Module):
                 mine.append((tied.name, groups[key]))
         return mine
 
-    def _build_schedule(self):
+    def _make_run(self, plan: PipelinePlan) -> _Run:
+        """This rank's stage modules of ``plan`` and a torch schedule over them."""
+        stored = fully_stored(self._pipeline)
+        compile_stage = self._factory.compile if self._options.remat is not None else None
+        modules = [StageModule(s, self._state, self._fixed, self._rank, compile_stage, stored[s.index])
+                   for s in plan.stages_of(self._pp_rank)]
         spec = schedule_spec(self._pipeline.schedule)
         stage_class = _FreeingStage if spec.waits_each_send else _Stage
         stages = [
             stage_class(module, module.index, self._pipeline.num_stages, self._device, group=self._pp_group)
-            for module in self._stage_modules
+            for module in modules
         ]
-        self._stages = stages
         loss_fn = _MicrobatchMean(self._pipeline.n_microbatches)
         n = self._pipeline.n_microbatches
         if spec.multi:
-            return spec.torch_class(stages, n, loss_fn=loss_fn, scale_grads=False)
-        return spec.torch_class(stages[0], n, loss_fn=loss_fn, scale_grads=False)
+            schedule = spec.torch_class(stages, n, loss_fn=loss_fn, scale_grads=False)
+        else:
+            schedule = spec.torch_class(stages[0], n, loss_fn=loss_fn, scale_grads=False)
+        return _Run(plan, modules, stages, schedule)
+
+    def _run_for_mode(self) -> _Run:
+        """The stages of the current train/eval modes, captured and split on first use."""
+        key = self._mode_key()
+        run = self._runs.get(key)
+        if run is None:
+            mb_args, mb_kwargs = self._microbatch
+            graph: ParallelGraph = self._factory.build(mb_args, mb_kwargs, modes=self._modes())
+            if graph.plan is not None:
+                for name in graph.captured.param_names:
+                    old, new = self._placements.get(name), graph.plan.placements.get(name)
+                    if (old.spec if old else None) != (new.spec if new else None):
+                        raise ValueError(
+                            f"in this train/eval mode parameter {name!r} would need another split "
+                            f"({new.spec if new else None} instead of {old.spec if old else None}): build the pipeline "
+                            "in the mode you train in"
+                        )
+            run = self._runs[key] = self._make_run(self._factory.split_like(graph, self.pipeline_plan))
+        return run
+
+    def _modes(self) -> dict[str, bool]:
+        return {name: module.training for name, module in zip(self._mode_names, self._mode_modules)}
+
+    def _mode_key(self) -> tuple[bool, ...]:
+        return tuple(module.training for module in self._mode_modules)
+
+    def _dtypes(self) -> tuple:
+        return tuple((name, t.dtype, t.device) for name, t in
+                     [*self.named_parameters(remove_duplicate=False), *self.named_buffers(remove_duplicate=False)])
 
     # -- running ------------------------------------------------------------
 
     def step(self, *args, **kwargs) -> torch.Tensor:
         """Forward and backward of one global batch over the pipeline; returns the batch's
-        mean loss on every rank. Gradients accumulate into ``.grad`` as with ``loss.backward()``."""
+        mean loss on every rank. Gradients accumulate into ``.grad`` as with ``loss.backward()``.
+        Dropout acts when the module is training (``pm.train()`` / ``pm.eval()``)."""
         kwargs = {**self._call_defaults, **kwargs}
-        if input_signature(args, kwargs) != self._signature:
-            raise ValueError(
-                "step() got inputs of other shapes, types or structure than the example_inputs this pipeline "
-                "was built for (shapes are fixed by the capture): pass example_inputs= shaped like your batches"
-            )
+        run = self._prepare(args, kwargs)
         leaves = pytree.tree_leaves((tuple(args), dict(kwargs)))
         named = {f"input_{i}": x for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
         losses: list[torch.Tensor] = []
         # Zero-bubble schedules split a stage's backward with retain_graph, which AOTAutograd's
         # donated buffers forbid (recompute=); the graphs run eagerly, so donation saves nothing.
         with functorch_config.patch(donated_buffer=False):
-            self._schedule.step(target=self._target, losses=losses, return_outputs=False, **named)
+            run.schedule.step(target=self._target, losses=losses, return_outputs=False, **named)
         self._sum_tied_gradients()
         return self._broadcast_loss(losses)
+
+    def _prepare(self, args: tuple, kwargs: dict) -> _Run:
+        """The local checks, then one fingerprint gathered over tensor- and pipeline-parallel
+        ranks (``check_inputs``), before the schedule's first collective."""
+        error, run = None, None
+        try:
+            check_call(args, kwargs, self._call_defaults)
+            if self._dtypes() != self._state_dtypes:
+                raise ValueError(
+                    "the parameters' or buffers' dtypes or devices changed after parallelize (pm.to(...)): a pipelined "
+                    "module's stages are built for the dtypes it was made with; convert the original model first "
+                    "(model.to(dtype)) and parallelize it, or use pp=1, whose module follows .to(dtype)"
+                )
+            if input_signature(args, kwargs) != self._signature:
+                raise ValueError(
+                    "step() got inputs of other shapes, types or structure than the example_inputs this pipeline "
+                    "was built for (shapes are fixed by the capture): pass example_inputs= shaped like your batches"
+                )
+            if self._vocab_checks:
+                check_vocab(self._vocab_checks, pytree.tree_leaves((tuple(args), dict(kwargs))),
+                            lambda: leaf_names(args, kwargs))
+            run = self._run_for_mode()
+        except Exception as err:  # held: raised after the ranks have compared notes
+            error = err
+        if self._options.check_inputs:
+            rows = fingerprint(args, kwargs, self._mode_key(), error is not None, self._device)
+            table = gather_fingerprints(rows, [self._tp_mesh.get_group(), self._pp_group], simulated=False)
+            tp = self._options.tp
+            this = self._pp_rank * tp + self._tp_mesh.get_local_rank()
+            raise_if_disagree(table, error, lambda: leaf_names(args, kwargs),
+                              lambda r: f"(pp {r // tp}, tp {r % tp})", this)
+        if error is not None:
+            raise error
+        return run
 
     def _sum_tied_gradients(self) -> None:
         with torch.no_grad():
@@ -194,12 +291,21 @@ class PipelinedModule(nn.Module):
         raise TypeError("a pipelined model runs whole training steps: call .step(*inputs, **kwargs), "
                         "which returns the loss, then optimizer.step()")
 
-    # -- inspection ---------------------------------------------------------
+    # -- state and inspection -------------------------------------------------
+
+    @property
+    def rng(self) -> RngState:
+        """Every rank's dropout and default generator state, a DCP ``Stateful`` (see ``ParallelModule.rng``)."""
+        return self._rng
 
     @property
     def stage_modules(self) -> list[StageModule]:
-        """This rank's stages."""
-        return list(self._stage_modules)
+        """This rank's stages (of the current train/eval mode, once it has run)."""
+        return list(self._runs.get(self._mode_key(), next(iter(self._runs.values()))).stage_modules)
+
+    @property
+    def _stages(self) -> list:
+        return self._runs.get(self._mode_key(), next(iter(self._runs.values()))).stages
 
     def explain(self) -> str:
         from sptransform.pipeline.explain import explain_pipeline

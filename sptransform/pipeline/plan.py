@@ -14,7 +14,7 @@ up to pp microbatches, is charged for them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -120,3 +120,24 @@ def first_microbatch(args: tuple, kwargs: dict, n_microbatches: int) -> tuple[tu
     sliced = [x[:size] if isinstance(x, torch.Tensor) else x for x in leaves]
     mb_args, mb_kwargs = pytree.tree_unflatten(sliced, spec)
     return mb_args, mb_kwargs, batch
+def resplit_pipeline(graph: ParallelGraph, plan: PipelinePlan) -> PipelinePlan:
+    """``graph`` (the model captured again, in another train/eval mode) cut at ``plan``'s stage
+    starts. Stages keep their layers, ranks and parameters; costs are not measured again."""
+    captured = graph.captured
+    analysis = graph.analysis or analyze(captured, 1)
+    if analysis.num_layers != plan.num_layers:
+        raise ValueError(
+            f"the model captured in its other train/eval mode has {analysis.num_layers} layers, not "
+            f"{plan.num_layers}: a pipeline needs one layer structure in both modes"
+        )
+    flow = GraphFlow(captured, find_loss_output(captured, analysis))
+    boundaries = find_layer_boundaries(flow, analysis)
+    stages = split_graph(flow, [boundaries[s - 1] for s in plan.starts[1:]], plan.num_layers)
+    for old, new in zip(plan.stages, stages):
+        extra = set(new.state_names) - set(old.state_names)
+        if extra:
+            raise ValueError(
+                f"in its other train/eval mode, pipeline stage {new.index} reads {sorted(extra)}, which the stage "
+                "was not given when the pipeline was built: build the pipeline in the mode you train in"
+            )
+    return replace(plan, boundaries=boundaries, stages=stages)

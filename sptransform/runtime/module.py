@@ -5,13 +5,32 @@ this rank's shard is stored) under the original names, and runs, for each input
 signature, a captured and transformed graph on the local shards. The graphs come
 from a ``GraphFactory`` (``sptransform.transform``), handed in by ``parallelize``:
 the runtime runs graphs and never imports a pass.
+
+It behaves like the original module, not like the moment it was captured:
+
+* **modes**: it mirrors the original's submodule tree (empty containers under the same
+  names, holding the parameters), so ``pm.train()``, ``pm.eval()`` and
+  ``pm.transformer.h[0].eval()`` act as on the original; the train/eval flag of every
+  submodule is part of what selects a graph, and a new combination is captured with the
+  template in that mode (dropout acts exactly when the module is training);
+* **dtypes**: ``pm.to(torch.float64)`` converts the parameters; the next call captures
+  again with the new dtypes (cached graphs are dropped). Moving to another device is an
+  error that says what to do (the mesh and process group are tied to the device);
+* **inputs**: each call is checked before any collective (``runtime.checks``): ids and
+  labels outside the vocabulary raise ``IndexError`` as on one device, and, with
+  ``check_inputs``, one small all-gather makes ranks given different inputs fail alike;
+* **bounded state**: at most ``graph_cache_size`` graphs are kept (least recently used
+  dropped); the dropout generators belong to the module (``pm.rng``, checkpointable).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -25,16 +44,77 @@ from sptransform.options import ParallelOptions
 from sptransform.runtime.params import (
     call_defaults, contiguous_stride, device_of, get_by_path, placement_of, set_by_path, shard_parameter,
 )
+from sptransform.runtime.checks import (
+    VocabCheck, check_call, check_vocab, fingerprint, gather_fingerprints, leaf_names, raise_if_disagree, vocab_checks,
+)
 from sptransform.runtime.explain import explain
+from sptransform.runtime.ops import take_local
+from sptransform.runtime.rng import RankGenerators, RngState
 from sptransform.torch_internals import local_tensor_mode, pytree
 
 
 class GraphFactory(Protocol):
-    """Builds the parallel graph of an input signature and, with recompute, its partitioned runner."""
+    """Builds the parallel graph of an input signature (captured with the template's submodules
+    in ``modes`` and its state in ``dtypes``) and, with recompute, its partitioned runner. Owns
+    the module's dropout generators (``generators``) and the fake template (``template``)."""
 
-    def build(self, args: tuple, kwargs: dict) -> ParallelGraph: ...
+    generators: RankGenerators
+
+    @property
+    def template(self) -> Any: ...
+
+    def build(self, args: tuple, kwargs: dict, *, modes: Mapping[str, bool] | None = None,
+              dtypes: Mapping[str, torch.dtype] | None = None) -> ParallelGraph: ...
 
     def compile(self, gm: fx.GraphModule, inputs: list, state_positions: Sequence[int]) -> Callable: ...
+
+
+@dataclass
+class _Cached:
+    """One input signature's graph and the inputs it reads as token ids or labels."""
+
+    graph: ParallelGraph
+    vocab_checks: list[VocabCheck]
+
+
+def mirror_modules(root: nn.Module, model: nn.Module) -> list[nn.Module]:
+    """Give ``root`` an empty container for every submodule of ``model`` (same names, same
+    train/eval flags; ``nn.ModuleList``/``nn.ModuleDict`` for those) and return them in ``model.named_modules()`` order, root first: the
+    parameters are registered into these, and their flags say which mode each submodule of
+    the fake template is captured in."""
+    mirrored = []
+    for name, module in model.named_modules():
+        target = root
+        for part in name.split(".") if name else []:
+            child = target._modules.get(part)
+            if child is None:
+                # Lists and dicts of modules stay indexable: pm.transformer.h[0].eval() works.
+                child = nn.ModuleList() if isinstance(module, nn.ModuleList) else \
+                    nn.ModuleDict() if isinstance(module, nn.ModuleDict) else nn.Module()
+                target.add_module(part, child)
+            target = child
+        target.training = module.training
+        mirrored.append(target)
+    return mirrored
+
+
+def microbatches(args: tuple, kwargs: dict, n: int) -> list[tuple[tuple, dict]]:
+    """``n`` equal slices along dim 0 of every tensor input (other inputs repeated)."""
+    if n == 1:
+        return [(args, kwargs)]
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    sizes = {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim()}
+    if len(sizes) != 1 or next(iter(sizes)) % n:
+        raise ValueError(
+            f"step() splits every tensor input into n_microbatches={n} slices along dim 0; got batch sizes "
+            f"{sorted(sizes)}: pass inputs with one batch size that is a multiple of {n}"
+        )
+    size = next(iter(sizes)) // n
+    out = []
+    for i in range(n):
+        sliced = [x[i * size : (i + 1) * size] if isinstance(x, torch.Tensor) and x.dim() else x for x in leaves]
+        out.append(pytree.tree_unflatten(sliced, spec))
+    return out
 
 
 class ParallelModule(nn.Module):
@@ -51,17 +131,25 @@ class ParallelModule(nn.Module):
         super().__init__()
         self._options = options
         self._mesh = mesh
-        self._factory = factory
+        self._factory = factory  # owns the fake template and the dropout generators
         self._device = device_of(model)
         self._call_defaults = call_defaults(model)
+        self._mode_names = [name for name, _ in model.named_modules()]
+        self._mode_modules = mirror_modules(self, model)
+        self._state_names = [name for name, _ in model.named_parameters(remove_duplicate=False)] + [
+            name for name, buf in model.named_buffers(remove_duplicate=False)]
+        self._dtypes = tuple(get_by_path(model, name).dtype for name in self._state_names)
+        self._graphs: OrderedDict[tuple, _Cached] = OrderedDict()
+        self._placements: dict[str, ParamPlacement] = {}
         example_kwargs = {**self._call_defaults, **example_kwargs}
-        first = self._factory.build(example_args, example_kwargs)
+        check_call(example_args, example_kwargs, self._call_defaults, example=True)
+        first = self._factory.build(example_args, example_kwargs, modes=self._modes(), dtypes=self._dtype_map(self._dtypes))
         self._placements = first.plan.placements if first.plan else {}
-        self._graphs = {input_signature(example_args, example_kwargs): first}
+        self._graphs[self._cache_key(example_args, example_kwargs)] = self._cached(first)
         self._last = first
         self._register_state(model)
         self._rank = self._rank_tensor()
-        self.train(model.training)
+        self._rng = RngState(factory.generators, mesh, self._device)
 
     # -- construction -------------------------------------------------------
 
@@ -101,20 +189,148 @@ class ParallelModule(nn.Module):
         ranks = torch.arange(self._options.tp, device=self._device)
         return distribute_tensor(ranks, self._mesh, [Shard(0)], src_data_rank=None).to_local().reshape(())
 
+    # -- what selects a graph: modes, dtypes, inputs --------------------------
+
+    def _modes(self) -> dict[str, bool]:
+        """Each template submodule's train/eval flag, read from the mirrored containers."""
+        return {name: module.training for name, module in zip(self._mode_names, self._mode_modules)}
+
+    def _mode_key(self) -> tuple[bool, ...]:
+        return tuple(module.training for module in self._mode_modules)
+
+    def _cache_key(self, args: tuple, kwargs: dict) -> tuple:
+        return (self._mode_key(), input_signature(args, kwargs))
+
+    def _dtype_map(self, dtypes: tuple) -> dict[str, torch.dtype]:
+        return dict(zip(self._state_names, dtypes))
+
+    def _state_values(self) -> dict[str, torch.Tensor]:
+        """The parameters and buffers as they are now, after checking they are where the
+        graphs run; a dtype change (``pm.to(torch.float64)``) drops the cached graphs."""
+        values = {name: get_by_path(self, name) for name in self._state_names}
+        dtypes = tuple(v.dtype for v in values.values())
+        for name, value in values.items():
+            if value.device != self._device:
+                raise ValueError(
+                    f"{name!r} is on {value.device}, but this parallel module was built for {self._device} (its "
+                    "device mesh and process group are tied to that device): moving a parallelized module to another "
+                    "device is not supported; move the original model first (model.to(device)) and parallelize it there"
+                )
+        if dtypes != self._dtypes:
+            self._graphs.clear()  # captured with the old dtypes (the template follows on the next build)
+            self._dtypes = dtypes
+        return values
+
+    def _cached(self, graph: ParallelGraph) -> _Cached:
+        captured = graph.captured
+        vocab = graph.plan.vocab if graph.plan is not None else None
+        return _Cached(graph, vocab_checks(captured.gm, len(captured.state_names), captured.num_user_inputs, vocab))
+
+    def _graph_for(self, args: tuple, kwargs: dict) -> tuple[_Cached, dict[str, torch.Tensor]]:
+        values = self._state_values()
+        key = self._cache_key(args, kwargs)
+        cached = self._graphs.get(key)
+        if cached is not None:
+            if not torch.compiler.is_compiling():  # LRU bookkeeping stays out of traced code
+                self._graphs.move_to_end(key)
+            return cached, values
+        graph = self._factory.build(args, kwargs, modes=self._modes(), dtypes=self._dtype_map(self._dtypes))
+        self._check_placements(graph)
+        self._check_split_inputs(graph, args, kwargs)
+        cached = self._graphs[key] = self._cached(graph)
+        while len(self._graphs) > self._options.graph_cache_size:
+            self._graphs.popitem(last=False)  # least recently used
+        return cached, values
+
+    def _check_placements(self, graph: ParallelGraph) -> None:
+        """A new signature may not need another split of a parameter it reads (parameters it
+        does not read, e.g. the token embedding under ``inputs_embeds=``, do not matter)."""
+        if graph.plan is None:
+            return
+        captured = graph.captured
+        read = [name for node, name in zip(captured.state_placeholders, captured.state_names)
+                if node.users and name in captured.param_names]
+        for name in read:
+            old, new = self._placements.get(name), graph.plan.placements.get(name)
+            old_split = (old.spec, old.padded_rows) if old is not None else (None, None)
+            new_split = (new.spec, new.padded_rows) if new is not None else (None, None)
+            if old_split != new_split:
+                raise ValueError(
+                    f"these inputs need parameter {name!r} split as {new.role if new else 'replicated'} "
+                    f"({new_split[0]}), but the module was built, from example_inputs=, with it "
+                    f"{old.role if old else 'replicated'} ({old_split[0]}); a parameter keeps one placement: "
+                    "parallelize with example_inputs= of this kind (e.g. input_ids rather than inputs_embeds)"
+                )
+
+    def _check_split_inputs(self, graph: ParallelGraph, args: tuple, kwargs: dict) -> None:
+        """A float input that requires grad and is cut to this rank's part of the sequence (it,
+        or a tensor computed from it, joins the sequence-split stream) would get only this
+        rank's part of its gradient: refuse (``sp=False`` gives the full gradient)."""
+        leaves = pytree.tree_leaves((tuple(args), dict(kwargs)))
+        placeholders = graph.captured.user_placeholders[: graph.captured.num_user_inputs]  # not the rank
+        users = {node: i for i, node in enumerate(placeholders)
+                 if isinstance(leaves[i], torch.Tensor) and leaves[i].requires_grad}
+        if not users:
+            return
+        cuts = [n for n in graph.gm.graph.nodes if n.op == "call_function" and n.target is take_local]
+        seen, stack = set(), [c.args[0] for c in cuts]
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            if node in users:
+                name = leaf_names(args, kwargs)[users[node]]
+                raise ValueError(
+                    f"{name} requires grad and is split along the sequence here, so each rank would get only "
+                    "its part of its gradient: detach it, or pass sp=False"
+                )
+            stack.extend(node.all_input_nodes)
+
     # -- running ------------------------------------------------------------
 
     def forward(self, *args, **kwargs):
         kwargs = {**self._call_defaults, **kwargs}
-        key = input_signature(args, kwargs)
-        graph = self._graphs.get(key)
-        if graph is None:
-            graph = self._factory.build(args, kwargs)
-            if graph.plan is not None and graph.plan.placements != self._placements:
-                raise AssertionError("a new input shape changed parameter placement")
-            self._graphs[key] = graph
+        if torch.compiler.is_compiling():  # traced: the checks read values; run the graph only
+            cached, values = self._graph_for(args, kwargs)
+        else:
+            cached, values = self._prepare(args, kwargs)
+        return self._run(cached.graph, values, args, kwargs)
+
+    def _prepare(self, args: tuple, kwargs: dict) -> tuple[_Cached, dict[str, torch.Tensor]]:
+        """Phase 1 (local: structure, graph, vocabulary), then phase 2 (ranks agree) — see
+        ``runtime.checks``. An error of phase 1 is raised after phase 2, on every rank."""
+        error, cached, values = None, None, {}
+        names = lambda: leaf_names(args, kwargs)  # noqa: E731  (only for messages)
+        try:
+            check_call(args, kwargs, self._call_defaults)
+            cached, values = self._graph_for(args, kwargs)
+            if cached.vocab_checks:
+                check_vocab(cached.vocab_checks, pytree.tree_leaves((tuple(args), dict(kwargs))), names)
+        except Exception as err:  # held: raised below, after the ranks have compared notes
+            error = err
+        if self._agrees():
+            simulated = local_tensor_mode() is not None
+            rows = fingerprint(args, kwargs, self._mode_key(), error is not None, self._device)
+            table = gather_fingerprints(rows, [self._mesh.get_group()], simulated)
+            this = 0 if simulated else self._mesh.get_local_rank()
+            label = (lambda r: f"simulated rank {r}") if simulated else (lambda r: f"rank {r}")
+            raise_if_disagree(table, error, names, label, this)
+        if error is not None:
+            raise error
+        return cached, values
+
+    def _agrees(self) -> bool:
+        """Whether this call runs phase 2: ``check_inputs``, more than one rank, and ranks that
+        exist (real ones, or LocalTensorMode's simulated ones; a bare fake group has none)."""
+        if not self._options.check_inputs or self._mesh is None or self._options.tp == 1:
+            return False
+        return local_tensor_mode() is not None or dist.get_backend(self._mesh.get_group()) != "fake"
+
+    def _run(self, graph: ParallelGraph, values: dict[str, torch.Tensor], args: tuple, kwargs: dict):
         self._last = graph
         captured = graph.captured
-        state = [self._local_state(name, captured) for name in captured.state_names]
+        state = [self._local_state(name, captured, values) for name in captured.state_names]
         flat_inputs = pytree.tree_leaves((tuple(args), dict(kwargs)))
         extra = [self._rank] if graph.plan is not None else []
         inputs = [*state, *flat_inputs, *extra]
@@ -138,10 +354,10 @@ class ParallelModule(nn.Module):
             graph.compiled = self._factory.compile(graph.gm, inputs, range(len(graph.captured.state_names)))
         return graph.compiled
 
-    def _local_state(self, name: str, captured: CapturedGraph) -> torch.Tensor:
+    def _local_state(self, name: str, captured: CapturedGraph, values: dict[str, torch.Tensor]) -> torch.Tensor:
         if name in captured.constants:
             return captured.constants[name]
-        value = get_by_path(self, name)
+        value = values[name] if name in values else get_by_path(self, name)
         return value.to_local() if isinstance(value, DTensor) else value
 
     def _as_dtensor(self, local: torch.Tensor, spec: DimShard, size: int) -> DTensor:
@@ -152,7 +368,18 @@ class ParallelModule(nn.Module):
             stride=contiguous_stride(shape),
         )
 
-    # -- inspection ---------------------------------------------------------
+    # -- state and inspection -------------------------------------------------
+
+    @property
+    def rng(self) -> RngState:
+        """Every rank's dropout generator and default generator state, a DCP ``Stateful``:
+        ``dcp.save({"model": pm.state_dict(), "optim": opt.state_dict(), "rng": pm.rng}, ...)``."""
+        return self._rng
+
+    @property
+    def cached_graphs(self) -> int:
+        """How many input signatures' graphs are cached (at most ``graph_cache_size``)."""
+        return len(self._graphs)
 
     @property
     def code(self) -> str:
@@ -167,15 +394,44 @@ class ParallelModule(nn.Module):
         return explain(self._last, self._options)
 
 
+ONE_STAGE_SCHEDULES = ("1f1b", "gpipe")
+"""The schedules ``SteppedModule`` (pp=1) runs: the order of one pipeline stage's microbatches."""
+
+
 class SteppedModule(ParallelModule):
-    """``ParallelModule`` with ``step()``: pp=1, one forward and backward of the whole batch."""
+    """``ParallelModule`` with ``step()``: pp=1, forward and backward of a whole batch.
+
+    ``n_microbatches`` (from ``parallelize``) splits each batch along dim 0 and accumulates the
+    gradients of the microbatch losses divided by their number, as a pipeline does; ``step``
+    returns the mean of the microbatch losses. ``schedule`` orders them as on one pipeline
+    stage: ``"1f1b"`` runs each microbatch's forward and backward in turn (one microbatch's
+    activations alive), ``"gpipe"`` all forwards, then all backwards."""
+
+    def __init__(self, model: nn.Module, *, n_microbatches: int = 1, schedule: str = "1f1b", **kwargs):
+        super().__init__(model, **kwargs)
+        if schedule not in ONE_STAGE_SCHEDULES:
+            raise ValueError(f"schedule={schedule!r}: with pp=1, step() runs one of {ONE_STAGE_SCHEDULES}")
+        self._n_microbatches = n_microbatches
+        self._schedule = schedule
 
     def step(self, *args, **kwargs) -> torch.Tensor:
-        out = self(*args, **kwargs)
+        kwargs = {**self._call_defaults, **kwargs}
+        n = self._n_microbatches
+        losses, pending = [], []
+        for mb_args, mb_kwargs in microbatches(args, kwargs, n):
+            loss = self._loss_of(self(*mb_args, **mb_kwargs))
+            losses.append(loss.detach())
+            if self._schedule == "gpipe":
+                pending.append(loss)
+            else:
+                (loss / n if n > 1 else loss).backward()
+        if pending:
+            (torch.stack(pending).sum() / n if n > 1 else pending[0]).backward()
+        return torch.stack(losses).sum() / n if n > 1 else losses[0]
+
+    def _loss_of(self, out) -> torch.Tensor:
         graph = self._last
         analysis = graph.analysis or analyze(graph.captured, 1)
         loss_node = find_loss_output(graph.captured, analysis)
         outputs = list(graph.captured.gm.graph.find_nodes(op="output")[0].args[0])
-        loss = pytree.tree_leaves(out)[outputs.index(loss_node)]
-        loss.backward()
-        return loss.detach()
+        return pytree.tree_leaves(out)[outputs.index(loss_node)]

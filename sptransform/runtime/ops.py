@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from sptransform.runtime.collectives import _all_reduce
+from sptransform.runtime.rng import RankGenerators, generators_of  # noqa: F401  (RankGenerators: re-exported)
 from sptransform.torch_internals import funcol, local_tensor_mode, tensor_map
 
 
@@ -169,36 +170,13 @@ def reference_dropout(
     return x * noise.index_select(dim, _row(table, rank))
 
 
-class RankGenerators:
-    """One torch.Generator per rank and device, seeded ``seed + 1 + rank``: masks of split
-    activations differ across ranks and repeat run after run."""
-
-    def __init__(self, seed: int, group_size: int, rank: int | None):
-        self.seed = seed
-        self.rank = rank
-        self._generators: dict[tuple[int, torch.device], torch.Generator] = {}
-
-    def get(self, rank: int, device: torch.device) -> torch.Generator:
-        key = (rank, device)
-        if key not in self._generators:
-            self._generators[key] = torch.Generator(device=device).manual_seed(self.seed + 1 + rank)
-        return self._generators[key]
-
-
-_RANK_GENERATORS: dict[int, RankGenerators] = {}
-
-
-def register_generators(gens: RankGenerators) -> int:
-    key = len(_RANK_GENERATORS)
-    _RANK_GENERATORS[key] = gens
-    return key
-
-
 def independent_dropout(x: torch.Tensor, p: float, train: bool, generators: int) -> torch.Tensor:
-    """Dropout of a sharded activation with this rank's own generator."""
+    """Dropout of a sharded activation with this rank's own generator. ``generators`` is the
+    key of the owning module's ``RankGenerators`` (``sptransform.runtime.rng``): a weak
+    registry entry, so the graph holds no reference that would keep the module's state alive."""
     if not train or p == 0:
         return x
-    gens = _RANK_GENERATORS[generators]
+    gens = generators_of(generators)
     mode = local_tensor_mode()
 
     def draw(r: int, t: torch.Tensor) -> torch.Tensor:

@@ -40,9 +40,11 @@ def test_sptransform_vs_dtensor_plan(tmp_path):
     result, stdout = run_benchmark("tp_vs_dtensor.py", [], tmp_path)
     reference = result["single_device_loss"]
     assert reference["linear_edit"] == pytest.approx(reference["original"], rel=1e-5)
-    sides = {"sptransform sp=True", "DTensor sp=True", "sptransform sp=False", "DTensor sp=False"}
+    sides = {"sptransform sp=True", "sptransform sp=True check_inputs=False", "DTensor sp=True",
+             "sptransform sp=False", "DTensor sp=False"}
     assert_same_losses(result, reference["original"], sides)
     assert "sptransform sp=True / DTensor sp=True" in stdout
+    assert "input check (check_inputs=True" in stdout and "step medians:" in stdout
     rows = {r["side"]: r for r in result["results"]}
     # sptransform syncs replicated-parameter gradients in backward (one bucket per layer);
     # DTensor reduces its Partial gradients when the optimizer reads them

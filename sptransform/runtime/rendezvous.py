@@ -1,0 +1,69 @@
+"""The start of ``parallelize``: every rank must be there, with the same model and options.
+
+``parallelize`` is collective: it creates device meshes (process groups) and later steps run
+collectives whose peers must be running the same graph. A rank that never calls it (a typo in
+a rank condition, a rank that raised earlier, a script run on one rank only) would leave the
+others blocked inside torch with no word of why. So ``parallelize`` begins with one small
+all-gather of a fingerprint (options, parameter names/shapes/dtypes, example input shapes):
+
+* a rank whose peers do not arrive fails when the process group's timeout (the ``timeout=``
+  of ``init_process_group``; torch's default is 30 minutes) ends the collective, with an
+  sptransform message saying that every rank must call ``parallelize``;
+* ranks that called it with different models or options fail alike, naming what differs.
+
+Simulated ranks (LocalTensorMode) and the fake process group have nothing to wait for.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from sptransform.runtime.checks import gather_fingerprints, stable_hash
+from sptransform.torch_internals import local_tensor_mode
+
+
+def rendezvous_groups(mesh) -> list[dist.ProcessGroup]:
+    """The groups ``parallelize`` meets on: the whole process group when it will build the mesh
+    itself (before any group is created), else the given mesh's groups; none when there is
+    nothing to wait for (no group, one rank, simulated ranks, the fake backend)."""
+    if local_tensor_mode() is not None or not dist.is_available() or not dist.is_initialized():
+        return []
+    if mesh is None:
+        groups = [dist.group.WORLD]
+    elif mesh.ndim == 1:
+        groups = [mesh.get_group()]
+    else:
+        groups = [mesh.get_group(d) for d in range(mesh.ndim - 1, -1, -1)]
+    return [g for g in groups if dist.get_world_size(g) > 1 and dist.get_backend(g) != "fake"]
+
+
+def rendezvous(groups: Sequence[dist.ProcessGroup], parts: Mapping[str, object], device: torch.device) -> None:
+    """Meet every rank of ``groups``; raise on every rank if one is missing or called differently."""
+    if not groups:
+        return
+    row = torch.tensor([0] + [stable_hash(value) for value in parts.values()], dtype=torch.int64,
+                       device=device if device.type != "meta" else "cpu")
+    start = time.monotonic()
+    try:
+        table = gather_fingerprints([row], groups, simulated=False)
+    except Exception as err:  # a timeout, or a peer that closed its connection
+        waited = time.monotonic() - start
+        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        raise RuntimeError(
+            f"sptransform.parallelize: rank {dist.get_rank()} waited {waited:.1f} s for the other ranks of its "
+            f"process group to call parallelize, and they did not ({type(err).__name__}: {first}). Every rank of "
+            "the group must call parallelize, with the same model and options, at the same point of the program: "
+            "a rank that skipped it, raised earlier or is busy elsewhere leaves the others waiting until the "
+            "process group's timeout (init_process_group(..., timeout=datetime.timedelta(...)); torch's default "
+            "is 30 minutes) ends the wait"
+        ) from err
+    differing = [name for i, name in enumerate(parts, start=1) if len({r[i] for r in table}) > 1]
+    if differing:
+        raise ValueError(
+            f"the ranks called parallelize with different {', '.join(differing)}: every rank must pass the same "
+            "model (parameter names, shapes and dtypes), the same options and example inputs of the same shapes"
+        )

@@ -1,0 +1,308 @@
+"""Real gloo processes: faults fail fast and clearly, ranks are checked against each other, a
+pipeline follows train/eval, and a checkpoint with ``pm.rng`` resumes bit for bit.
+
+Every spawn here runs under a hard deadline (``_spawn``): a hang fails the test instead of
+blocking the suite, and leftover processes are killed."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from simulate import free_port
+
+pytestmark = pytest.mark.slow
+transformers = pytest.importorskip("transformers")
+VOCAB = 97
+
+
+def _spawn(fn, world: int, deadline_s: float, *args) -> None:
+    """``mp.spawn`` with a hard deadline: the test fails (and the processes are killed) past it."""
+    context = mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=False, start_method="spawn")
+    end = time.monotonic() + deadline_s
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > end:
+                pytest.fail(f"{fn.__name__} did not finish within {deadline_s} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+
+
+def _init(rank: int, world: int, port: int, timeout_s: float) -> None:
+    torch.set_num_threads(1)  # ranks share two cores
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _llama(seed: int = 0, layers: int = 2, dropout: float = 0.1):
+    """Eager attention with attention dropout: a dropout on head-split activations, drawn from the
+    per-rank generators at tp > 1 (Llama's projections are separate, so checkpoints need no
+    _StridedShard)."""
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=64, num_attention_heads=8,
+                                      num_key_value_heads=4, intermediate_size=96, vocab_size=VOCAB,
+                                      max_position_embeddings=64, attn_implementation="eager",
+                                      attention_dropout=dropout)
+    return transformers.LlamaForCausalLM(config).train()
+
+
+def _batches(n: int, batch: int = 4, seq: int = 16) -> list[dict]:
+    g = torch.Generator().manual_seed(123)
+    return [dict(input_ids=torch.randint(0, VOCAB, (batch, seq), generator=g),
+                 labels=torch.randint(0, VOCAB, (batch, seq), generator=g)) for _ in range(n)]
+
+
+# ---------------------------------------------------------------------------
+# parallelize on one rank only
+
+
+def _one_rank_calls_parallelize(rank: int, world: int, port: int, timeout_s: float, out: str) -> None:
+    _init(rank, world, port, timeout_s)
+    try:
+        if rank == 0:
+            import sptransform
+
+            start = time.monotonic()
+            try:
+                sptransform.parallelize(_llama(), tp=2, example_inputs=_batches(1)[0])
+                result = {"raised": None}
+            except Exception as err:
+                result = {"raised": type(err).__name__, "message": str(err)}
+            result["elapsed"] = time.monotonic() - start
+            with open(out, "w") as f:
+                json.dump(result, f)
+        else:  # busy elsewhere, never calling parallelize, until rank 0 has given up
+            end = time.monotonic() + timeout_s + 60
+            while not os.path.exists(out) and time.monotonic() < end:
+                time.sleep(0.2)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_parallelize_on_one_rank_only_fails_within_the_timeout_saying_every_rank_must_call_it(tmp_path):
+    timeout_s = 5.0
+    out = str(tmp_path / "rank0.json")
+    _spawn(_one_rank_calls_parallelize, 2, 120, timeout_s, out)
+    with open(out) as f:
+        result = json.load(f)
+    assert result["raised"] == "RuntimeError", result
+    assert "every rank of the group must call parallelize" in result["message"].lower(), result["message"]
+    assert "init_process_group(..., timeout=" in result["message"]
+    assert result["elapsed"] < timeout_s + 10, result  # the process group's timeout, plus slack
+
+
+# ---------------------------------------------------------------------------
+# ranks checked against each other; a pipeline in eval mode; to(dtype) of a pipeline
+
+
+def _raises(fn, error, *patterns) -> str:
+    try:
+        fn()
+    except error as err:
+        for pattern in patterns:
+            assert pattern in str(err), (pattern, str(err))
+        return str(err)
+    raise AssertionError(f"expected {error.__name__} containing {patterns}")
+
+
+def _cross_rank_checks(rank: int, world: int, port: int) -> None:
+    import sptransform
+
+    _init(rank, world, port, 60)
+    try:
+        batch = _batches(1)[0]
+        pm = sptransform.parallelize(_llama(), tp=2, example_inputs=batch)
+        pm(**batch).loss.backward()  # in sync
+        other = _batches(2)[1]
+        # a data-loader bug: each rank its own batch -> a clear error on both, not a loss matching neither
+        mine = batch if rank == 0 else {**batch, "labels": other["labels"]}
+        _raises(lambda: pm(**mine), ValueError, "ranks [rank 0] vs [rank 1] were given different values of input "
+                "'labels'", "check_inputs=False")
+        # different shapes per rank: a clear error, not a gloo abort inside the graph
+        shaped = batch if rank == 0 else {k: v[:, :8] for k, v in batch.items()}
+        _raises(lambda: pm(**shaped), ValueError, "were given input 'input_ids' with different shapes or dtypes")
+        # a bad token id on rank 1 only: rank 1 raises IndexError, rank 0 is told, nobody hangs
+        bad = dict(batch)
+        if rank == 1:
+            bad["input_ids"] = batch["input_ids"].clone()
+            bad["input_ids"][0, 0] = VOCAB + 3
+        if rank == 1:
+            _raises(lambda: pm(**bad), IndexError, f"token id {VOCAB + 3} in input 'input_ids'")
+        else:
+            _raises(lambda: pm(**bad), RuntimeError, "rejected on rank 1")
+        # different modes
+        pm.train(rank == 0)
+        _raises(lambda: pm(**batch), ValueError, "different train/eval modes")
+        pm.train()
+        # still in sync after all of that
+        loss = pm(**batch).loss
+        losses = [torch.zeros(()) for _ in range(world)]
+        dist.all_gather(losses, loss.detach())
+        assert torch.equal(losses[0], losses[1])
+        # parallelize with different options on the two ranks: both told, by name
+        _raises(lambda: sptransform.parallelize(_llama(), tp=2, sp=rank == 0, example_inputs=batch), ValueError,
+                "the ranks called parallelize with different options")
+        _pipeline_modes(rank, world)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _pipeline_modes(rank: int, world: int) -> None:
+    """A PipelinedModule (pp=2) built in train mode: eval steps give the single-device eval loss and
+    gradients (no dropout), train steps drop out, and switching back works; to(dtype) is refused."""
+    import copy
+
+    import sptransform
+
+    model = _llama(layers=2, dropout=0.3)
+    ref = copy.deepcopy(model).eval()
+    batch = _batches(1)[0]
+    pm = sptransform.parallelize(model, tp=1, pp=2, n_microbatches=2, example_inputs=batch)
+    pm.eval()
+    ref_loss = ref(**batch).loss
+    ref_loss.backward()
+    ref_grads = {name: p.grad for name, p in ref.named_parameters()}
+    for attempt in range(2):  # eval twice: deterministic
+        torch.manual_seed(attempt)
+        loss = pm.step(**batch)
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+        for name, p in pm.named_parameters():
+            torch.testing.assert_close(p.grad.full_tensor(), ref_grads[name], rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, n=name: f"{n}: {m}")
+        pm.zero_grad()
+    eval_loss = loss
+    pm.train()
+    train_losses = [pm.step(**batch) for _ in range(2)]
+    pm.zero_grad()
+    assert all(not torch.equal(t, eval_loss) for t in train_losses) and not torch.equal(*train_losses)
+    pm.eval()
+    torch.testing.assert_close(pm.step(**batch), ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    pm.zero_grad()
+    pm.to(torch.float64)
+    _raises(lambda: pm.step(**batch), ValueError, "convert the original model first (model.to(dtype))")
+
+
+def test_ranks_are_checked_against_each_other_and_a_pipeline_follows_train_and_eval():
+    _spawn(_cross_rank_checks, 2, 600)
+
+
+# ---------------------------------------------------------------------------
+# exact resume with pm.rng
+
+
+def _make(kind: str, seed: int):
+    import sptransform
+
+    model = _llama(seed=seed)
+    batch = _batches(1)[0]
+    if kind == "tp":
+        pm = sptransform.parallelize(model, tp=2, example_inputs=batch, seed=seed)
+    else:
+        pm = sptransform.parallelize(model, tp=1, pp=2, n_microbatches=2, example_inputs=batch, seed=seed)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-4)
+    return pm, opt
+
+
+def _step(kind: str, pm, opt, batch) -> float:
+    loss = pm(**batch).loss if kind == "tp" else pm.step(**batch)
+    if kind == "tp":
+        loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return float(loss.detach())
+
+
+def _checkpoint(kind: str, pm, opt) -> dict:
+    if kind == "tp":  # the form the issue names: plain state dicts and the Stateful rng
+        return {"model": pm.state_dict(), "optim": opt.state_dict(), "rng": pm.rng}
+    # pipeline ranks hold different parameters: the optimizer state keyed by name, param_groups per
+    # parameter (a plain param_groups list is one object in DCP, saved from one rank only)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_state, optim_state = get_state_dict(pm, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    return {"model": model_state, "optim": optim_state, "rng": pm.rng}
+
+
+def _restore(kind: str, pm, opt, state: dict) -> None:
+    if kind == "tp":
+        pm.load_state_dict(state["model"])
+        opt.load_state_dict(state["optim"])
+    else:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(pm, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+
+def _local_params(pm) -> dict:
+    return {n: p.to_local().detach().clone() for n, p in pm.named_parameters()}
+
+
+def _resume_phase(rank: int, world: int, port: int, phase: str, folder: str) -> None:
+    """``first``: 3 steps, save, 2 more steps (recorded). ``second`` (new processes, new process
+    group, other initial weights and seed): load, the same 2 steps; losses and parameters bit-equal."""
+    import torch.distributed.checkpoint as dcp
+
+    _init(rank, world, port, 120)
+    try:
+        batches = _batches(5)
+        for kind in ("tp", "pp"):
+            path = os.path.join(folder, f"{kind}-ckpt")
+            record = os.path.join(folder, f"{kind}-rank{rank}.pt")
+            if phase == "first":
+                torch.manual_seed(1000 + rank)
+                pm, opt = _make(kind, seed=5)
+                for batch in batches[:3]:
+                    _step(kind, pm, opt, batch)
+                dcp.save(_checkpoint(kind, pm, opt), checkpoint_id=path)
+                losses = [_step(kind, pm, opt, batch) for batch in batches[3:]]
+                torch.save({"losses": losses, "params": _local_params(pm)}, record)
+            else:
+                torch.manual_seed(77)  # another torch RNG state: the checkpoint's must replace it
+                pm, opt = _make(kind, seed=99)
+                for batch in batches[:1]:  # the optimizer has state to load into
+                    _step(kind, pm, opt, batch)
+                state = _checkpoint(kind, pm, opt)
+                dcp.load(state, checkpoint_id=path)
+                _restore(kind, pm, opt, state)
+                losses = [_step(kind, pm, opt, batch) for batch in batches[3:]]
+                expected = torch.load(record)
+                assert losses == expected["losses"], (kind, losses, expected["losses"])
+                params = _local_params(pm)
+                assert params.keys() == expected["params"].keys()
+                for name, value in params.items():
+                    assert torch.equal(value, expected["params"][name]), (kind, name)
+                # control: the same without pm.rng does not continue the run
+                pm, opt = _make(kind, seed=99)
+                _step(kind, pm, opt, batches[0])
+                state = _checkpoint(kind, pm, opt)
+                del state["rng"]
+                dcp.load(state, checkpoint_id=path)
+                _restore(kind, pm, opt, state)
+                assert [_step(kind, pm, opt, batch) for batch in batches[3:]] != expected["losses"], kind
+                with open(os.path.join(folder, f"{kind}-rank{rank}.ok"), "w") as f:
+                    f.write(json.dumps(losses))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_checkpoint_with_rng_resumes_bit_for_bit(tmp_path):
+    """tp=2 (ParallelModule, per-rank dropout generators) and pp=2 (PipelinedModule, the default
+    generator under tp=1): train 3, save {model, optim, rng}, train 2; fresh processes, a module
+    with other weights and another seed, load, train 2: identical losses and parameters."""
+    _spawn(_resume_phase, 2, 600, "first", str(tmp_path))
+    _spawn(_resume_phase, 2, 600, "second", str(tmp_path))
+    for kind in ("tp", "pp"):
+        for rank in range(2):
+            assert (tmp_path / f"{kind}-rank{rank}.ok").exists(), (kind, rank)

@@ -1,0 +1,223 @@
+"""Bad inputs fail as on one device, with a message, on every rank; unusual ones work or say why.
+
+Table-driven: each row is a call that the single-device model rejects (or that sptransform
+cannot run) and the error the parallel module must raise instead of returning a number."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import sptransform
+from simulate import assert_all_ranks_close, per_rank, simulated_ranks
+from sptransform.torch_internals import maybe_disable_local_tensor_mode
+from tiny_models import TinyConfig, TinyLM
+
+transformers = pytest.importorskip("transformers")
+VOCAB = 61
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=64,
+                                     attn_implementation="eager", resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=48, vocab_size=VOCAB, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _tiny():
+    torch.manual_seed(0)
+    return TinyLM(TinyConfig(vocab=VOCAB))
+
+
+def _ids(fill=None, at=(0, 3)):
+    g = torch.Generator().manual_seed(2)
+    with maybe_disable_local_tensor_mode():  # drawn under LocalTensorMode, each simulated rank would differ
+        ids = torch.randint(0, VOCAB, (2, 16), generator=g)
+    if fill is not None:
+        ids[at] = fill
+    return ids
+
+
+def _hf(**overrides):
+    return lambda: {"input_ids": _ids(), "labels": _ids(), **{k: v() if callable(v) else v for k, v in overrides.items()}}
+
+
+BAD_CALLS = [
+    # (id, model, inputs (kwargs or positional tuple), error, message pattern); the meta, use_cache and
+    # past_key_values rows are limits of sptransform (see ORIGINAL_ACCEPTS), the others fail on one device too
+    ("gpt2 id = vocab", _gpt2, _hf(input_ids=lambda: _ids(VOCAB)), IndexError,
+     r"token id 61 in input 'input_ids' is outside the vocabulary of 61 \(ids must be in \[0, 60\]"),
+    ("gpt2 negative id", _gpt2, _hf(input_ids=lambda: _ids(-1)), IndexError, r"token id -1 in input 'input_ids'"),
+    ("gpt2 label = vocab", _gpt2, _hf(labels=lambda: _ids(VOCAB)), IndexError,
+     r"label 61 in input 'labels' is out of bounds for the vocabulary of 61.*or the ignore index -100"),
+    ("gpt2 negative label", _gpt2, _hf(labels=lambda: _ids(-5)), IndexError, r"label -5 in input 'labels'"),
+    ("gpt2 float ids", _gpt2, _hf(input_ids=lambda: _ids().float()), (TypeError, ValueError), r"input_ids|indices|Long"),
+    ("gpt2 meta ids", _gpt2, _hf(input_ids=lambda: _ids().to("meta")), ValueError,
+     r"input 'input_ids' is a meta tensor .*pass a tensor on the model's device"),
+    ("gpt2 meta labels", _gpt2, _hf(labels=lambda: _ids().to("meta")), ValueError, r"input 'labels' is a meta tensor"),
+    ("gpt2 use_cache", _gpt2, _hf(use_cache=True), ValueError, r"use_cache=True.*pass use_cache=False"),
+    ("gpt2 past_key_values", _gpt2, _hf(past_key_values=lambda: transformers.DynamicCache()), ValueError,
+     r"past_key_values"),
+    ("llama id = vocab", _llama, _hf(input_ids=lambda: _ids(VOCAB)), IndexError, r"token id 61 in input 'input_ids'"),
+    ("llama label = vocab + 7", _llama, _hf(labels=lambda: _ids(VOCAB + 7)), IndexError, r"label 68 in input 'labels'"),
+    ("llama use_cache", _llama, _hf(use_cache=True), ValueError, r"use_cache=True"),
+    ("tiny id = vocab", _tiny, lambda: (_ids(VOCAB), _ids()), IndexError, r"token id 61 in positional input 0"),
+    ("tiny target = vocab", _tiny, lambda: (_ids(), _ids(VOCAB)), IndexError, r"label 61 in positional input 1"),
+    ("tiny target -100 is not ignored by default? it is", _tiny, lambda: (_ids(), _ids(-101)), IndexError,
+     r"label -101 in positional input 1 .*ignore index -100"),
+    ("tiny meta ids", _tiny, lambda: (_ids().to("meta"), _ids()), ValueError, r"positional input 0 is a meta tensor"),
+]
+
+
+ORIGINAL_ACCEPTS = ("use_cache", "past_key_values")
+"""Rows the single-device model runs (a meta forward, a KV cache) and a parallel module refuses."""
+
+
+def _call(pm, inputs):
+    return pm(**inputs) if isinstance(inputs, dict) else pm(*inputs)
+
+
+def _single_device_raises(make, inputs) -> bool:
+    """Whether the unmodified model rejects these inputs too (the point of the table)."""
+    model = make()
+    try:
+        with torch.no_grad():
+            _call(model, inputs)
+    except Exception:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("case", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_bad_inputs_raise_clearly(case):
+    _, make, inputs, error, pattern = case
+    good = _hf()() if make is not _tiny else (_ids(), _ids())
+    with simulated_ranks(2):
+        pm = sptransform.parallelize(make(), tp=2, example_inputs=good)
+        with pytest.raises(error, match=pattern):
+            _call(pm, inputs())
+        _call(pm, good)  # the module still works afterwards
+    if "meta" not in case[0]:  # a meta input on one device: fails or runs on meta, depending on the op order
+        assert _single_device_raises(make, inputs()) != any(word in case[0] for word in ORIGINAL_ACCEPTS)
+
+
+@pytest.mark.parametrize("make", [_gpt2, _llama], ids=["gpt2", "llama"])
+def test_ignore_index_labels_stay_allowed(make):
+    model = make()
+    ref = copy.deepcopy(model)
+    labels = _ids()
+    labels[:, :5] = -100
+    batch = dict(input_ids=_ids(), labels=labels)
+    with simulated_ranks(2):
+        pm = sptransform.parallelize(model, tp=2, example_inputs=batch)
+        with maybe_disable_local_tensor_mode():
+            expected = ref(**batch).loss.detach()
+        assert_all_ranks_close(pm(**batch).loss, expected, what="loss with ignored labels")
+
+
+def _per_rank_tensor(mode, values):
+    return mode.rank_map(lambda r: values[r].clone())
+
+
+@pytest.mark.parametrize("which", ["input_ids", "labels"])
+def test_ranks_given_different_batches_fail_on_every_rank_naming_the_input(which):
+    batch = _hf()()
+    with simulated_ranks(2) as mode:
+        pm = sptransform.parallelize(_gpt2(), tp=2, example_inputs=batch)
+        other = batch[which].roll(1, dims=1)
+        bad = {**batch, which: _per_rank_tensor(mode, [batch[which], other])}
+        with pytest.raises(ValueError, match=rf"ranks \[simulated rank 0\] vs \[simulated rank 1\] were given "
+                                             rf"different values of input '{which}'.*check_inputs=False"):
+            pm(**bad)
+        pm_unchecked = sptransform.parallelize(_gpt2(), tp=2, example_inputs=batch, check_inputs=False)
+        pm_unchecked(**bad)  # opted out: runs (and computes something that matches neither rank)
+
+
+def test_a_bad_id_on_one_rank_only_is_raised():
+    batch = _hf()()
+    with simulated_ranks(2) as mode:
+        pm = sptransform.parallelize(_gpt2(), tp=2, example_inputs=batch)
+        with pytest.raises(IndexError, match="token id 61"):
+            pm(**{**batch, "input_ids": _per_rank_tensor(mode, [batch["input_ids"], _ids(VOCAB)])})
+
+
+@pytest.mark.parametrize("make", [_gpt2, _llama], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("sp", [True, False])
+def test_inputs_embeds_is_supported(make, sp):
+    """A parameter the new signature does not read (the token embedding) may keep its split."""
+    model = make()
+    ref = copy.deepcopy(model)
+    batch = _hf()()
+    embeds = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(3))
+    with simulated_ranks(2):
+        pm = sptransform.parallelize(model, tp=2, sp=sp, example_inputs=batch)
+        out = pm(inputs_embeds=embeds, labels=batch["labels"])
+        with maybe_disable_local_tensor_mode():
+            expected = ref(inputs_embeds=embeds, labels=batch["labels"]).loss.detach()
+        assert_all_ranks_close(out.loss, expected, what="loss from inputs_embeds")
+        assert_all_ranks_close(pm(**batch).loss, ref(**batch).loss.detach(), what="ids still work")
+
+
+def test_inputs_embeds_that_require_grad():
+    """sp=False: the gradient of a replicated float input is the full one; sp=True would give each
+    rank only its slice of it, so that is refused with the fix."""
+    model = _gpt2()
+    ref = copy.deepcopy(model)
+    labels = _ids()
+    embeds = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(3))
+    mine, theirs = embeds.clone().requires_grad_(), embeds.clone().requires_grad_()
+    ref(inputs_embeds=theirs, labels=labels).loss.backward()
+    with simulated_ranks(2):
+        pm = sptransform.parallelize(copy.deepcopy(model), tp=2, sp=True, example_inputs=_hf()())
+        with pytest.raises(ValueError, match=r"input 'inputs_embeds' requires grad and is split along the sequence.*"
+                                             r"detach it, or pass sp=False"):
+            pm(inputs_embeds=embeds.clone().requires_grad_(), labels=labels)
+        pm = sptransform.parallelize(model, tp=2, sp=False, example_inputs=_hf()())
+        pm(inputs_embeds=mine, labels=labels).loss.backward()
+        assert_all_ranks_close(mine.grad, theirs.grad, rtol=1e-4, atol=1e-6, what="grad of inputs_embeds")
+
+
+class WithBias(nn.Module):
+    """A float input that joins the sequence-split residual stream (a learned-prompt bias)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm = TinyLM(TinyConfig(vocab=VOCAB))
+
+    def forward(self, ids, targets, bias):
+        lm = self.lm
+        s = ids.shape[1]
+        x = lm.tok(ids) + lm.pos(torch.arange(s, device=ids.device)) + bias
+        for block in lm.blocks:
+            x = block(x)
+        logits = lm.head(lm.norm(x))
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def test_a_float_input_joining_the_sequence_split_stream():
+    torch.manual_seed(0)
+    model = WithBias()
+    ref = copy.deepcopy(model)
+    bias = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(4))
+    inputs = (_ids(), _ids(), bias)
+    with simulated_ranks(2):
+        pm = sptransform.parallelize(model, tp=2, sp=True, example_inputs=inputs)
+        assert_all_ranks_close(pm(*inputs), ref(*inputs).detach(), what="loss with a float input")
+
+
+def test_meta_example_inputs_are_fine():
+    """Only shapes of example_inputs are read: meta tensors may stand in for them."""
+    batch = {k: v.to("meta") for k, v in _hf()().items()}
+    with simulated_ranks(2):
+        pm = sptransform.parallelize(_gpt2(), tp=2, example_inputs=batch)
+        assert all(v.device.type == "cpu" for v in per_rank(pm(**_hf()()).loss))
