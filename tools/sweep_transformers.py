@@ -538,7 +538,8 @@ def run_verify(model, inputs, *, tp: int, sp: bool) -> dict:
         where = traceback.extract_tb(error.__traceback__)[-1]
         return {"status": "error", "reason": f"{type(error).__name__}: {_first_line(error)} "
                 f"({os.path.basename(where.filename)}:{where.lineno})", "seconds": time.monotonic() - start}
-    result = {"status": report.status, "seconds": round(time.monotonic() - start, 2), "notes": report.notes}
+    result = {"status": report.status, "seconds": round(time.monotonic() - start, 2), "notes": report.notes,
+              "linears": list(report.linears) if getattr(report, "linears", None) else None}
     if report.status == "refused":
         result["reason"] = _first_line(report.error)
     elif report.status == "different":
@@ -766,6 +767,7 @@ def totals(results: list[dict]) -> dict:
             if word:
                 counts[word] = counts.get(word, 0) + 1
         t[key] = counts
+        t[f"{key}_partly_whole"] = sum(1 for r in run if outcome(r, key)[0] == "equal" and _partly_whole(r, key))
         reasons: dict[str, int] = {}
         for r in run:
             word, reason = outcome(r, key)
@@ -803,7 +805,8 @@ def render(results: list[dict], meta: dict) -> str:
         order = ["equal", "refused", "wrong", "error", "timeout", "crashed"]
         parts = [f"{word} {c.get(word, 0)}" for word in order]
         parts += [f"{word} {n}" for word, n in c.items() if word not in order]
-        lines.append(f"* **{title}**: " + ", ".join(parts))
+        lines.append(f"* **{title}**: " + ", ".join(parts)
+                     + f" (of the equal, {t[f'{key}_partly_whole']} run some linears whole on every rank)")
     lines += ["", "### Refusal reasons", "",
               "| reason (specifics elided) | tp=2+SP | tp=4 |", "| --- | ---: | ---: |"]
     kinds = list(dict.fromkeys([*t["tp2_sp_reasons"], *t["tp4_reasons"]]))
@@ -830,14 +833,28 @@ def render(results: list[dict], meta: dict) -> str:
         notes = list(r.get("notes", []))
         if no_grad:
             notes.append(f"{len(no_grad)} params get no gradient on one device")
+        cells = [word + _split_cell(r, key) for (word, _), (key, _) in zip(words, COLUMNS)]
         lines.append(f"| {r['model_type']} | {r['class']} | {r.get('build', {}).get('attn', '')} | "
-                     f"{_cell('; '.join(notes), 300)} | {single} | {words[0][0]} | {words[1][0]} | "
+                     f"{_cell('; '.join(notes), 300)} | {single} | {cells[0]} | {cells[1]} | "
                      f"{_cell(' / '.join(reasons))} |")
     lines += ["", "### Not run", "", "| model type | class | why |", "| --- | --- | --- |"]
     for r in results:
         if "not_run" in r:
             lines.append(f"| {r['model_type']} | {r['class']} | {_cell(r['not_run'])} |")
     return "\n".join(lines) + "\n"
+
+
+def _partly_whole(result: dict, key: str) -> bool:
+    linears = (result.get(key) or {}).get("linears")
+    return bool(linears) and linears[0] < linears[1]
+
+
+def _split_cell(result: dict, key: str) -> str:
+    """`` (k/n split)`` when an equal model runs some of its linears whole on every rank."""
+    if outcome(result, key)[0] != "equal" or not _partly_whole(result, key):
+        return ""
+    k, n = result[key]["linears"]
+    return f" ({k}/{n} linears split)"
 
 
 def wrong_and_error_tables(results: list[dict], what: str) -> list[str]:
