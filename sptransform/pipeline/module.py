@@ -136,7 +136,9 @@ class PipelinedModule(nn.Module):
                     set_by_path(self, alias, param, kind="parameter")
                     state[alias] = param
             else:
-                set_by_path(self, name, buffers[name], kind="buffer")
+                owner, _, leaf = name.rpartition(".")  # a non-persistent buffer stays out of state_dict()
+                persistent = leaf not in model.get_submodule(owner)._non_persistent_buffers_set
+                set_by_path(self, name, buffers[name], kind="buffer", persistent=persistent)
                 state[name] = buffers[name]
         return state
 
