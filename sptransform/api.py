@@ -14,6 +14,7 @@ from sptransform.capture import FakeTemplate
 from sptransform.options import DEFAULT_GRAPH_CACHE_SIZE, ParallelOptions, PipelineOptions
 from sptransform.pipeline.module import PipelinedModule
 from sptransform.pipeline.schedule import check_pipeline_options
+from sptransform.runtime.meta import materialize_meta_buffers
 from sptransform.runtime.mesh import resolve_pipeline_mesh, resolve_tp_mesh
 from sptransform.runtime.module import ONE_STAGE_SCHEDULES, ParallelModule, SteppedModule
 from sptransform.pipeline.plan import first_microbatch
@@ -91,6 +92,7 @@ def parallelize(
     _check_mesh(mesh)
     pipeline = _pipeline_options(options, pp, schedule, n_microbatches, stages_per_rank, stored_microbatches)
     device = device_of(model)
+    materialize_meta_buffers(model, device)  # a meta-built model's rotary tables and masks (runtime.meta)
     args, kwargs = normalize_example_inputs(model, example_inputs, tp)
     check_example_inputs(model, args, kwargs)
     rendezvous(rendezvous_groups(mesh), {

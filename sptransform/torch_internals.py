@@ -184,6 +184,20 @@ def local_values(t) -> "dict[int, torch.Tensor] | None":
     return None
 
 
+def dtensor_as(cls, dtensor):
+    """A DTensor of subclass ``cls`` sharing ``dtensor``'s local tensor and spec (no copy): the
+    checkpoint view (``runtime.checkpoint.ChunkedDTensor``) that tells DCP which boxes a
+    ``_StridedShard`` holds. Reads ``DTensor._local_tensor``/``_spec``. Public replacement: none
+    (``DTensor.from_local`` makes a new local view and a plain DTensor)."""
+    return cls(dtensor._local_tensor, dtensor._spec, requires_grad=False)
+
+
+def plain_dtensor(dtensor):
+    """``dtensor`` (a DTensor subclass) as a plain ``DTensor`` on the same local tensor and spec, to
+    pickle and deep-copy as torch does (``torch.load(weights_only=True)`` accepts DTensor only)."""
+    return _DTensor(dtensor._local_tensor, dtensor._spec, requires_grad=dtensor.requires_grad)
+
+
 def stage_forward_cache(stage) -> dict:
     """``PipelineStage.fwd_cache``: the outputs a stage keeps until that microbatch's backward,
     which ``_FreeingStage`` releases early. Public replacement: none."""
@@ -196,7 +210,8 @@ __all__ = [
     "fill_single_dim_strategy_placeholders", "free_unbacked_symbols", "insert_single_dim_replication_strategy",
     "register_lazy_dtensor_strategies", "sharding_propagator",
     "FakeStore", "FakeTensor", "FakeTensorMode", "LocalTensor", "LocalTensorMode", "StorageWeakRef", "StridedShard",
-    "TESTED_TORCH", "aot_module_simplified", "default_partition", "detect_fake_mode", "dynamo_static_input", "funcol",
+    "TESTED_TORCH", "aot_module_simplified", "default_partition", "detect_fake_mode", "dtensor_as", "dynamo_static_input",
+    "funcol", "plain_dtensor",
     "functorch_config", "generate_stage_to_rank_mapping", "get_schedule_ops", "local_tensor_mode", "local_values",
     "make_boxed_func",
     "maybe_disable_local_tensor_mode", "min_cut_rematerialization_partition", "partitioners", "pytree",

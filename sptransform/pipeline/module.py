@@ -49,6 +49,7 @@ from sptransform.pipeline.plan import PipelinePlan, first_microbatch
 from sptransform.runtime.checks import (
     check_call, check_vocab, fingerprint, gather_fingerprints, leaf_names, raise_if_disagree, vocab_checks,
 )
+from sptransform.runtime.checkpoint import install_checkpoint_views
 from sptransform.runtime.module import mirror_modules
 from sptransform.runtime.params import call_defaults, device_of, placement_of, set_by_path, shard_parameter
 from sptransform.runtime.rng import RngState
@@ -115,6 +116,7 @@ class PipelinedModule(nn.Module):
         self._vocab_checks = vocab_checks(captured.gm, len(captured.state_names), captured.num_user_inputs,
                                           graph.plan.vocab if graph.plan is not None else None)
         self._rng = RngState(factory.generators, mesh, self._device)
+        install_checkpoint_views(self)  # state_dict(): entries DCP can save and load (runtime.checkpoint)
 
     # -- construction -------------------------------------------------------
 
@@ -134,7 +136,9 @@ class PipelinedModule(nn.Module):
                     set_by_path(self, alias, param, kind="parameter")
                     state[alias] = param
             else:
-                set_by_path(self, name, buffers[name], kind="buffer")
+                owner, _, leaf = name.rpartition(".")  # a non-persistent buffer stays out of state_dict()
+                persistent = leaf not in model.get_submodule(owner)._non_persistent_buffers_set
+                set_by_path(self, name, buffers[name], kind="buffer", persistent=persistent)
                 state[name] = buffers[name]
         return state
 

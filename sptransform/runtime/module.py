@@ -47,6 +47,7 @@ from sptransform.runtime.params import (
 from sptransform.runtime.checks import (
     VocabCheck, check_call, check_vocab, fingerprint, gather_fingerprints, leaf_names, raise_if_disagree, vocab_checks,
 )
+from sptransform.runtime.checkpoint import install_checkpoint_views
 from sptransform.runtime.explain import explain
 from sptransform.runtime.ops import take_local
 from sptransform.runtime.rng import RankGenerators, RngState
@@ -150,6 +151,7 @@ class ParallelModule(nn.Module):
         self._register_state(model)
         self._rank = self._rank_tensor()
         self._rng = RngState(factory.generators, mesh, self._device)
+        install_checkpoint_views(self)  # state_dict(): entries DCP can save and load (runtime.checkpoint)
 
     # -- construction -------------------------------------------------------
 

@@ -1,0 +1,255 @@
+"""Checkpoints of parallel modules: ``torch.distributed.checkpoint`` (DCP) across layouts, HF weights.
+
+**Why a view.** DCP describes the part of a DTensor a rank holds as *one* box of the global
+tensor (``compute_local_shape_and_global_offset``: one offset, one size). That is true of
+``Shard`` and ``Replicate``, but not of ``_StridedShard``: a fused ``[q|k|v]`` weight split per
+head leaves rank ``r`` holding ``q_r``, ``k_r`` and ``v_r``, three disjoint boxes of the global
+tensor stored side by side. DCP then reports one contiguous box of the local size at the wrong
+offset, so ``dcp.save`` fails with "overlapping chunks" and ``dcp.load`` from a checkpoint of
+another layout (a single-device one) reads the wrong columns *silently*.
+
+What sptransform does about it: the parameters stay as they are (plain DTensors, ``_StridedShard``,
+so that ``full_tensor()``, optimizers and the graphs are untouched); what ``pm.state_dict()``
+returns for such a parameter is a ``ChunkedDTensor``: the same local tensor (no copy, same
+storage), mesh, placements and global value, a DTensor in every respect, that also implements
+DCP's extension protocol (``__create_write_items__``, ``__create_chunk_list__``,
+``__get_tensor_shard__``, the protocol torch's own ``LocalShardsWrapper`` uses) and tells DCP the
+true boxes: one write/read item per box, each a view of the local tensor. A checkpoint written
+this way is an ordinary DCP checkpoint keyed by the original names with full-tensor values, so
+it loads into one device, any tp, or a pipeline, and DCP's resharding does the rest.
+
+The boxes are derived from DTensor's own semantics, not re-implemented: for each tensor dim,
+``distribute_tensor(arange(size), mesh, placements, src_data_rank=None)`` (purely local, no
+communication) gives which global indices along that dim the local tensor holds, in local
+order; runs of consecutive indices are the boxes' extents along that dim, and the boxes are
+their products. This holds for any mesh and any mix of ``Shard``/``_StridedShard``/``Replicate``.
+
+Other ways considered: storing fused weights replicated (DCP handles it, but every rank would
+hold the whole ``[q|k|v]``: a quarter of a layer's weights, tp times over); per-segment keys
+(``c_attn.weight.q``: breaks the original names); a tensor subclass as the *parameter* (lost on
+every op that makes a new tensor: ``to(dtype)``, optimizer states). The view costs nothing until a
+checkpoint is written or read.
+
+``pm.state_dict()`` returns views for the module's own parameters (a state-dict post-hook on every
+submodule holding a DTensor parameter, so ``pm.transformer.state_dict()`` too; not with
+``keep_vars=True``, which returns the parameters themselves). An optimizer's state (``exp_avg`` of a
+fused weight has the parameter's placement) goes through ``checkpointable(opt.state_dict())``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections import OrderedDict
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata, MetadataIndex, TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from sptransform.torch_internals import StridedShard, dtensor_as, plain_dtensor
+
+
+# -- the boxes a rank's local tensor holds ---------------------------------------------------
+
+
+def _runs(indices: list[int]) -> list[tuple[int, int, int]]:
+    """``(global start, local start, length)`` of each run of consecutive global indices."""
+    runs: list[tuple[int, int, int]] = []
+    for local, index in enumerate(indices):
+        if runs and runs[-1][0] + runs[-1][2] == index:
+            start, local_start, length = runs[-1]
+            runs[-1] = (start, local_start, length + 1)
+        else:
+            runs.append((index, local, 1))
+    return runs
+
+
+def _dim_runs(size: int, dim: int, ndim: int, placements: tuple, mesh: DeviceMesh) -> tuple[tuple[int, int, int], ...]:
+    """The runs of global indices along ``dim`` this rank holds, by DTensor's own split (local only)."""
+    shape = [1] * ndim
+    shape[dim] = size
+    index = torch.arange(size, device=mesh.device_type).reshape(shape)
+    acting = [p if isinstance(p, (Shard, StridedShard)) and p.dim == dim else Replicate() for p in placements]
+    local = distribute_tensor(index, mesh, acting, src_data_rank=None).to_local()
+    return tuple(_runs(local.reshape(-1).tolist()))
+
+
+def _boxes(tensor: DTensor) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    """``(global offsets, local offsets, sizes)`` of every box of the global tensor held here."""
+    if tensor.device_mesh.get_coordinate() is None:
+        return []
+    ndim, placements = tensor.dim(), tuple(tensor.placements)
+    per_dim = [_dim_runs(tensor.shape[d], d, ndim, placements, tensor.device_mesh) for d in range(ndim)]
+    boxes = []
+    for combo in itertools.product(*per_dim):
+        boxes.append((tuple(r[0] for r in combo), tuple(r[1] for r in combo), tuple(r[2] for r in combo)))
+    return boxes
+
+
+def needs_view(value: Any) -> bool:
+    """A DTensor whose local tensor is not one box of the global tensor (a ``_StridedShard``)."""
+    return isinstance(value, DTensor) and not isinstance(value, ChunkedDTensor) and any(
+        isinstance(p, StridedShard) for p in value.placements)
+
+
+# -- the view ----------------------------------------------------------------------------------
+
+
+class ChunkedDTensor(DTensor):
+    """A DTensor that tells ``torch.distributed.checkpoint`` every box of the global tensor its
+    local tensor holds (one write/read item each), instead of DTensor's single box.
+
+    Shares the local tensor of the DTensor it views: ``dcp.load`` into it writes into that
+    tensor. Any op on it returns a plain DTensor; pickling and ``deepcopy`` give a plain DTensor
+    (``torch.load(weights_only=True)`` knows DTensor, not this class)."""
+
+    def _boxes(self):
+        boxes = self.__dict__.get("_sptransform_boxes")
+        if boxes is None:
+            boxes = self.__dict__["_sptransform_boxes"] = _boxes(self)
+        return boxes
+
+    def __create_write_items__(self, fqn: str, object: Any) -> list[WriteItem]:
+        properties = TensorProperties.create_from_tensor(self.to_local())
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
+                    properties=properties,
+                    size=self.size(),
+                ),
+            )
+            for offsets, _, sizes in self._boxes()
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+                for offsets, _, sizes in self._boxes()]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        local = self.to_local()
+        for offsets, local_offsets, sizes in self._boxes():
+            if torch.Size(offsets) == index.offset:
+                return local[tuple(slice(o, o + n) for o, n in zip(local_offsets, sizes))]
+        raise ValueError(
+            f"sptransform checkpoint: this rank holds no box of {index.fqn!r} at offset {tuple(index.offset or ())} "
+            f"(its boxes start at {[o for o, _, _ in self._boxes()]})"
+        )
+
+    def __reduce_ex__(self, protocol):
+        return plain_dtensor(self).__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        copied = plain_dtensor(self).__deepcopy__(memo)
+        memo[id(self)] = copied
+        return copied
+
+
+def checkpoint_view(value: Any) -> Any:
+    """``value`` as a ``ChunkedDTensor`` when DCP cannot describe it as one box, else unchanged."""
+    return dtensor_as(ChunkedDTensor, value) if needs_view(value) else value
+
+
+def checkpointable(state: Any) -> Any:
+    """``state`` (nested dicts, lists, tuples) with every DTensor that DCP cannot describe as one
+    box replaced by its view: ``dcp.save({"optim": sptransform.checkpointable(opt.state_dict())})``
+    and, to load, ``state = {"optim": checkpointable(opt.state_dict())}``, ``dcp.load(state, ...)``,
+    ``opt.load_state_dict(state["optim"])`` (the views share the optimizer's tensors)."""
+    if isinstance(state, dict):
+        items = [(k, checkpointable(v)) for k, v in state.items()]
+        return type(state)(items) if type(state) in (dict, OrderedDict) else dict(items)
+    if isinstance(state, list):
+        return [checkpointable(v) for v in state]
+    if isinstance(state, tuple) and not hasattr(state, "_fields"):
+        return tuple(checkpointable(v) for v in state)
+    return checkpoint_view(state)
+
+
+class _ViewEntries:
+    """State-dict post-hook of one submodule: its DTensor parameters' entries become views.
+    (A callable object: ``register_state_dict_post_hook`` marks the hook with an attribute.)"""
+
+    def __init__(self, names: Iterable[str]):
+        self.names = tuple(names)
+
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+        for name in self.names:
+            key = prefix + name
+            value = state_dict.get(key)
+            if value is not None and not isinstance(value, nn.Parameter):  # keep_vars=True: the parameters
+                state_dict[key] = checkpoint_view(value)
+
+
+def install_checkpoint_views(root: nn.Module) -> None:
+    """Make ``root.state_dict()`` (and every submodule's) return DCP-describable entries."""
+    for module in root.modules():
+        names = [name for name, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)]
+        if names:
+            module.register_state_dict_post_hook(_ViewEntries(names))
+
+
+# -- Hugging Face weights --------------------------------------------------------------------
+
+
+def load_hf_weights(module: nn.Module, path: str | os.PathLike, *,
+                    key_map: Callable[[str], str] | None = None) -> list[str]:
+    """Load a Hugging Face safetensors checkpoint (a ``save_pretrained`` folder: ``model.safetensors``
+    or its shards) into ``module``: a parallel module from ``sptransform.parallelize`` (each rank
+    reads only its boxes, through DCP's ``HuggingFaceStorageReader``) or a plain one. Collective
+    on the module's process group: call it on every rank.
+
+    Keys are the module's parameter and buffer names (``key_map(name)`` gives the checkpoint's key
+    when they differ, e.g. ``lambda n: n.removeprefix("model.")``). A tied weight missing from the
+    file (GPT-2's ``lm_head.weight``, which ``save_pretrained`` leaves out) is loaded through the
+    name that is there, and buffers missing from it keep their values (non-persistent ones are
+    never in a checkpoint). Any other missing parameter is a ``KeyError`` naming it. Returns the
+    names loaded."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"load_hf_weights: {path!r} is not a folder; pass the folder save_pretrained wrote (with model.safetensors)")
+    key_of = key_map or (lambda name: name)
+    reader = HuggingFaceStorageReader(path)
+    saved = set(reader.read_metadata().state_dict_metadata)
+    state = module.state_dict()
+    params = dict(module.named_parameters(remove_duplicate=False))
+    aliases: dict[int, list[str]] = {}
+    for name, param in params.items():
+        aliases.setdefault(id(param), []).append(name)
+    wanted, missing = {}, []
+    for name, value in state.items():
+        key = key_of(name)
+        if key in saved:
+            wanted[key] = (name, value)
+        elif name in params:
+            if not any(key_of(alias) in saved for alias in aliases[id(params[name])] if alias != name):
+                missing.append(f"{name!r}" + (f" (looked up as {key!r})" if key != name else ""))
+        # a buffer the file lacks keeps its value
+    if missing:
+        raise KeyError(
+            f"load_hf_weights: {path} has no weights for parameter(s) {', '.join(missing)} "
+            f"(it has {len(saved)} tensors, e.g. {sorted(saved)[:3]}); pass key_map= to map names to the file's keys"
+        )
+    to_load = {key: value for key, (_, value) in wanted.items()}
+    distributed = dist.is_available() and dist.is_initialized()
+    dcp.load(to_load, storage_reader=reader, no_dist=not distributed)
+    # DCP wrote into the tensors' storage; load_state_dict keeps the module's own bookkeeping honest
+    # (and copies anything DCP had to replace rather than fill).
+    module.load_state_dict({wanted[key][0]: value for key, value in to_load.items()}, strict=False)
+    return sorted(name for name, _ in wanted.values())
+
+
+__all__ = ["ChunkedDTensor", "checkpoint_view", "checkpointable", "install_checkpoint_views", "load_hf_weights",
+           "needs_view"]
