@@ -15,7 +15,7 @@ from sptransform.options import DEFAULT_GRAPH_CACHE_SIZE, ParallelOptions, Pipel
 from sptransform.pipeline.module import PipelinedModule
 from sptransform.pipeline.schedule import check_pipeline_options
 from sptransform.runtime.meta import materialize_meta_buffers
-from sptransform.runtime.mesh import resolve_pipeline_mesh, resolve_tp_mesh
+from sptransform.runtime.mesh import resolve_mesh, resolve_pipeline_mesh, resolve_tp_mesh
 from sptransform.runtime.module import ONE_STAGE_SCHEDULES, ParallelModule, SteppedModule
 from sptransform.pipeline.plan import first_microbatch
 from sptransform.runtime.checks import check_call
@@ -43,6 +43,8 @@ def parallelize(
     stored_microbatches: int | None = None,
     check_inputs: bool = True,
     graph_cache_size: int = DEFAULT_GRAPH_CACHE_SIZE,
+    dp: int = 1,
+    zero: int = 0,
 ) -> "nn.Module":
     """Turn an unmodified single-device ``model`` into one that trains across ``tp`` ranks
     with Megatron tensor parallelism (and sequence parallelism when ``sp``).
@@ -82,13 +84,22 @@ def parallelize(
     forwards, then all backwards); multi-stage schedules, ``stages_per_rank`` and
     ``stored_microbatches`` describe a pipeline of several stages and are refused.
 
+    Data parallelism (``dp``, ``zero``): ``dp`` groups of ``pp x tp`` ranks, each training on its
+    own (local) batch; gradients are averaged over them during backward, one bucketed
+    all-reduce per layer (``zero=0``), or, with ``zero=3``, parameters, gradients and optimizer
+    state are split into 1/dp pieces, each layer's parameters gathered when it runs and again
+    for its backward, gradients reduce-scattered. Parameters are DTensors on the
+    ``("dp", "tp")`` mesh. The mesh is ``mesh=`` (axes named from ``"dp"``, ``"pp"``, ``"tp"``)
+    or ``(dp, pp, tp)`` over the whole process group, row-major: consecutive ranks form a
+    tensor-parallel group, as in Megatron and torchtitan.
+
     Every argument is validated here; a bad one is a ``TypeError``/``ValueError`` naming the
     value, the rule and the fix.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallelize expects an nn.Module, got {type(model).__name__}")
     options = ParallelOptions(tp=tp, sp=sp, dropout_rng=dropout_rng, seed=seed, recompute=recompute,
-                              check_inputs=check_inputs, graph_cache_size=graph_cache_size)
+                              check_inputs=check_inputs, graph_cache_size=graph_cache_size, dp=dp, zero=zero)
     _check_mesh(mesh)
     pipeline = _pipeline_options(options, pp, schedule, n_microbatches, stages_per_rank, stored_microbatches)
     device = device_of(model)
@@ -102,6 +113,8 @@ def parallelize(
         "example input shapes": [(tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else repr(x)
                                  for x in pytree.tree_leaves((args, kwargs))],
     }, device)
+    if dp > 1:
+        return _data_parallel(model, options, pipeline, mesh, device, args, kwargs)
     if pipeline is not None and pipeline.pp > 1:
         mesh = resolve_pipeline_mesh(pipeline.pp, tp, mesh, device)
         return PipelinedModule(model, factory=_factory(model, options, mesh["tp"], device), options=options,
@@ -114,6 +127,30 @@ def parallelize(
                              example_kwargs=mb_kwargs, n_microbatches=pipeline.n_microbatches,
                              schedule=pipeline.schedule)
     return ParallelModule(model, factory=factory, options=options, mesh=mesh, example_args=args, example_kwargs=kwargs)
+
+
+def _data_parallel(model, options: ParallelOptions, pipeline: PipelineOptions | None, mesh, device, args, kwargs):
+    """``dp > 1``: the (dp, pp, tp) mesh; the module's tensor-parallel work on its tp axis, its
+    parameters on the (dp, tp) axes, gradients averaged (or ZeRO-3 pieces gathered) on dp."""
+    if local_tensor_mode() is not None:
+        raise ValueError("dp > 1 needs real ranks (torchrun, gloo or nccl): simulated ranks run tensor "
+                         "parallelism only; use sptransform.verify(model, tp=...) for the tensor-parallel part")
+    pp = pipeline.pp if pipeline is not None else 1
+    full = resolve_mesh(options.dp, pp, options.tp, mesh, device)
+    dp_group = full["dp"].get_group().group_name
+    param_mesh = full["dp", "tp"]
+    if pp > 1:
+        return PipelinedModule(model, factory=_factory(model, options, full["tp"], device, dp_group), options=options,
+                               pipeline=pipeline, mesh=full["pp", "tp"], example_args=args, example_kwargs=kwargs,
+                               param_mesh=param_mesh, full_mesh=full)
+    factory = _factory(model, options, full["tp"], device, dp_group)
+    if pipeline is not None:
+        mb_args, mb_kwargs, _ = first_microbatch(args, {**call_defaults(model), **kwargs}, pipeline.n_microbatches)
+        return SteppedModule(model, factory=factory, options=options, mesh=full["tp"], example_args=mb_args,
+                             example_kwargs=mb_kwargs, n_microbatches=pipeline.n_microbatches,
+                             schedule=pipeline.schedule, param_mesh=param_mesh)
+    return ParallelModule(model, factory=factory, options=options, mesh=full["tp"], example_args=args,
+                          example_kwargs=kwargs, param_mesh=param_mesh)
 
 
 def _check_mesh(mesh) -> None:
@@ -156,7 +193,8 @@ def _pipeline_options(options: ParallelOptions, pp, schedule, n_microbatches, st
     return pipeline
 
 
-def _factory(model: nn.Module, options: ParallelOptions, tp_mesh: DeviceMesh | None, device: torch.device) -> GraphFactory:
+def _factory(model: nn.Module, options: ParallelOptions, tp_mesh: DeviceMesh | None, device: torch.device,
+             dp_group: str | None = None) -> GraphFactory:
     """The graph factory of one parallel module: a fake copy of ``model`` to trace, and this
     rank's dropout generators (one per simulated rank under LocalTensorMode), owned by the
     module through the factory (graphs reach them by key through a weak registry)."""
@@ -166,7 +204,7 @@ def _factory(model: nn.Module, options: ParallelOptions, tp_mesh: DeviceMesh | N
     rank = None if tp_mesh is None or local_tensor_mode() is not None else tp_mesh.get_local_rank()
     generators = RankGenerators(seed, options.tp, rank)
     group = tp_mesh.get_group().group_name if tp_mesh is not None else None
-    return GraphFactory(template, options, group, generators, device)
+    return GraphFactory(template, options, group, generators, device, dp_group)
 
 
 def check_example_inputs(model: nn.Module, args: tuple, kwargs: dict) -> None:

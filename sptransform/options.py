@@ -30,6 +30,7 @@ DEFAULT_STAGES_PER_RANK: dict[str, int] = {"gpipe": 1, "1f1b": 1, "interleaved1f
 schedules that run several stages per rank."""
 
 DropoutRng = Literal["independent", "reference"]
+ZeroStage = Literal[0, 3]
 
 
 def _check_int(name: str, value, *, minimum: int, maximum: int | None = None, fix: str = "") -> None:
@@ -107,9 +108,23 @@ class ParallelOptions:
     cheap local checks, token ids and labels inside the vocabulary, stay)."""
     graph_cache_size: int = DEFAULT_GRAPH_CACHE_SIZE
     """Transformed graphs kept, one per input signature and mode; least recently used dropped."""
+    dp: int = 1
+    """Data-parallel degree: groups of ranks that each train on their own batch, gradients
+    averaged over them."""
+    zero: ZeroStage = 0
+    """0: parameters, gradients and optimizer state replicated over the data-parallel ranks;
+    3: all three split into 1/dp pieces, each layer's parameters gathered when it runs and
+    gathered again for its backward (ZeRO stage 3, as graph passes)."""
 
     def __post_init__(self) -> None:
         _check_int("tp", self.tp, minimum=1)
+        _check_int("dp", self.dp, minimum=1)
+        if isinstance(self.zero, bool) or self.zero not in get_args(ZeroStage):
+            raise ValueError(
+                f"zero={self.zero!r}: sptransform runs ZeRO stages 0 and 3. Stages 1 and 2 keep the parameters "
+                "whole but split the optimizer state (and gradients), which torch's optimizers cannot do for a "
+                "parameter stored whole; use zero=3 (which splits all three) or zero=0"
+            )
         _check_bool("sp", self.sp)
         if self.dropout_rng not in get_args(DropoutRng):
             raise ValueError(f"dropout_rng={self.dropout_rng!r}: use 'independent' or 'reference'")

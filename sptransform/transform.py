@@ -39,6 +39,7 @@ from sptransform.graph.plan import ParallelGraph, ParallelPlan
 from sptransform.graph.propagate import SequenceSplit, propagate
 from sptransform.options import ParallelOptions, PipelineOptions, RematOptions
 from sptransform.passes.canonicalize import remove_dead_code, repeat_grouped_kv, split_bias
+from sptransform.passes.data_parallel import DataParallelPlan, data_parallel, zero_dim
 from sptransform.passes.dropout import shard_dropout
 from sptransform.passes.remat import remat_partition
 from sptransform.passes.tensor_parallel import add_rank_input, apply_placements
@@ -70,14 +71,19 @@ def _logged(name: str, gm: fx.GraphModule, run: Callable[[], object]):
 
 
 def build_parallel_graph(
-    template: FakeTemplate, args: tuple, kwargs: dict, options: ParallelOptions, group: str | None, generators: int
+    template: FakeTemplate, args: tuple, kwargs: dict, options: ParallelOptions, group: str | None, generators: int,
+    dp_group: str | None = None,
 ) -> ParallelGraph:
-    """The pass list, top to bottom (see the module docstring)."""
+    """The pass list, top to bottom (see the module docstring). ``dp_group``: the data-parallel
+    process group's name (``options.dp > 1``)."""
     with maybe_disable_local_tensor_mode():  # tracing sees one rank, never simulated ones
         captured = capture(template, args, kwargs)
     log.debug("capture: %d nodes", len(captured.gm.graph.nodes))
-    if options.tp == 1:
-        return ParallelGraph(captured, None, None)  # nothing to split: the captured graph runs as is
+    if options.tp == 1:  # nothing to split: the captured graph runs as is, data parallelism aside
+        graph = ParallelGraph(captured, None, None)
+        if options.dp > 1:
+            _add_data_parallel(graph, options, dp_group, {}, [])
+        return graph
     gm, tp = captured.gm, options.tp
     _logged("remove_dead_code", gm, lambda: remove_dead_code(gm))
     _logged("repeat_grouped_kv", gm, lambda: repeat_grouped_kv(gm, tp=tp))
@@ -120,7 +126,36 @@ def build_parallel_graph(
     _logged("tensor_parallel", gm, lambda: apply_placements(gm, propagation, gradients, plan, params=params,
                                                            layer_rows=layer_rows))
     _logged("dropout", gm, lambda: shard_dropout(gm, plan, mode=options.dropout_rng, generators=generators))
-    return ParallelGraph(captured, analysis, plan)
+    graph = ParallelGraph(captured, analysis, plan)
+    if options.dp > 1:
+        _add_data_parallel(graph, options, dp_group, placements, layer_rows)
+    return graph
+
+
+def _add_data_parallel(graph: ParallelGraph, options: ParallelOptions, group: str | None, placements: dict,
+                       layer_rows: list) -> None:
+    """[data parallel]: gradient averaging buckets, or ZeRO-3 gathers, after the tensor-parallel
+    rewrite (``passes.data_parallel``); the plan records how each parameter is stored."""
+    captured, gm = graph.captured, graph.gm
+    state = dict(zip(captured.state_placeholders, captured.state_names))
+    trainable = {node: name for node, name in state.items() if name in captured.param_names
+                 and node.meta.get("val") is not None and node.meta["val"].requires_grad}
+    dims, local_shapes = {}, {}
+    for node, name in trainable.items():
+        placement = placements.get(name)
+        storage = placement.storage if placement is not None else None
+        shape = list(node.meta["val"].shape)
+        if storage is not None:
+            if placement.padded_rows is not None:  # uneven over the tensor-parallel ranks: kept whole over dp
+                dims[name] = None
+                continue
+            shape[storage.dim] = storage.local_size(options.tp)
+        local_shapes[name] = tuple(shape)
+        dims[name] = zero_dim(tuple(shape), storage.dim if storage is not None else None, options.dp) \
+            if options.zero == 3 else None
+    plan = DataParallelPlan(group=group, size=options.dp, zero=options.zero, dims=dims, local_shapes=local_shapes)
+    _logged("data_parallel", gm, lambda: data_parallel(gm, trainable, plan, layer_rows))
+    graph.data_parallel = plan
 
 
 def plan_pipeline(graph: ParallelGraph, template: FakeTemplate, args: tuple, kwargs: dict,
@@ -196,6 +231,8 @@ class GraphFactory:
     group: str | None
     generators: RankGenerators
     device: torch.device
+    dp_group: str | None = None
+    """The data-parallel process group's name (``options.dp > 1``)."""
 
     def build(self, args: tuple, kwargs: dict, *, modes: Mapping[str, bool] | None = None,
               dtypes: Mapping[str, torch.dtype] | None = None) -> ParallelGraph:
@@ -206,7 +243,8 @@ class GraphFactory:
         if dtypes is not None:
             with maybe_disable_local_tensor_mode():  # fake tensors of one rank, never simulated ones
                 self.template.retype(dtypes)
-        graph = build_parallel_graph(self.template, args, kwargs, self.options, self.group, self.generators.key)
+        graph = build_parallel_graph(self.template, args, kwargs, self.options, self.group, self.generators.key,
+                                     self.dp_group)
         graph.gm.to(self.device)  # index tables the passes added live with the parameters
         return graph
 

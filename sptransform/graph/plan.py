@@ -48,6 +48,9 @@ class ParallelGraph:
     plan: ParallelPlan | None
     compiled: object = None
     """The AOTAutograd-compiled runner when ``recompute`` is not ``"none"`` (made on first call)."""
+    data_parallel: object = None
+    """``passes.data_parallel.DataParallelPlan`` when ``dp > 1``: how each parameter is stored over
+    the data-parallel ranks."""
 
     @property
     def gm(self) -> fx.GraphModule:

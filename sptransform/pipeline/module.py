@@ -51,6 +51,7 @@ from sptransform.runtime.checks import (
 )
 from sptransform.runtime.checkpoint import install_checkpoint_views
 from sptransform.runtime.module import mirror_modules
+from sptransform.runtime.zero import data_parallel_placement
 from sptransform.runtime.params import call_defaults, device_of, placement_of, set_by_path, shard_parameter
 from sptransform.runtime.rng import RngState
 from sptransform.pipeline.schedule import fully_stored, schedule_spec
@@ -81,10 +82,15 @@ class _Run:
 
 class PipelinedModule(nn.Module):
     def __init__(self, model: nn.Module, *, factory, options: ParallelOptions, pipeline: PipelineOptions,
-                 mesh: DeviceMesh, example_args: tuple, example_kwargs: dict):
+                 mesh: DeviceMesh, example_args: tuple, example_kwargs: dict,
+                 param_mesh: DeviceMesh | None = None, full_mesh: DeviceMesh | None = None):
         """``factory``: a ``transform.GraphFactory`` for the ``tp`` sub-mesh (builds the graph of
-        one microbatch, splits it, compiles stages under ``recompute``; owns the dropout generators)."""
+        one microbatch, splits it, compiles stages under ``recompute``; owns the dropout generators).
+        ``mesh``: this data-parallel replica's ``(pp, tp)`` mesh; with data parallelism,
+        ``param_mesh`` the ``(dp, tp)`` mesh parameters live on and ``full_mesh`` the whole
+        ``(dp, pp, tp)`` one (every rank creates every replica's tied-gradient groups)."""
         super().__init__()
+        self._param_mesh, self._full_mesh = param_mesh, full_mesh
         self._options, self._pipeline, self._mesh = options, pipeline, mesh
         self._factory = factory
         tp_mesh, pp_mesh = mesh["tp"], mesh["pp"]
@@ -103,6 +109,7 @@ class PipelinedModule(nn.Module):
         self._graph = graph
         self.pipeline_plan: PipelinePlan = factory.plan_pipeline(graph, mb_args, mb_kwargs, pipeline)
         self._placements = graph.plan.placements if graph.plan is not None else {}
+        self._data_parallel = graph.data_parallel
         self._rank = torch.tensor(tp_rank, device=self._device)
         local = self.pipeline_plan.stages_of(self._pp_rank)
         self._state = self._register_state(model, {n for s in local for n in s.state_names}, graph.captured)
@@ -145,12 +152,18 @@ class PipelinedModule(nn.Module):
     def _shard_parameter(self, name: str, param: nn.Parameter) -> nn.Parameter:
         placement = self._placements.get(name)
         placement = placement_of(placement.storage) if placement is not None else Replicate()
+        if self._param_mesh is not None:
+            return shard_parameter(param, [data_parallel_placement(self._data_parallel, name), placement],
+                                   self._param_mesh, self._device)
         return shard_parameter(param, placement, self._tp_mesh, self._device)
 
     def _tied_gradient_groups(self) -> list[tuple[str, dist.ProcessGroup]]:
         """For each tied parameter held on several pipeline ranks, the group that sums its
         gradient (one per tp coordinate). Every rank creates every group, in one order."""
-        plan, mesh = self.pipeline_plan, self._mesh.mesh
+        plan = self.pipeline_plan
+        # every data-parallel replica's (pp, tp) rank grid, this rank's first
+        grids = [self._mesh.mesh] if self._full_mesh is None else list(self._full_mesh.mesh)
+        mine_grid = 0 if self._full_mesh is None else self._full_mesh.get_local_rank("dp")
         groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         mine = []
         tp_rank = self._tp_mesh.get_local_rank()
@@ -163,10 +176,11 @@ class PipelinedModule(nn.Module):
                 if list(key) == list(range(self._pipeline.pp)):
                     groups[key] = self._pp_group
                 else:
-                    for t in range(self._options.tp):
-                        group = dist.new_group([int(mesh[r, t]) for r in key])
-                        if t == tp_rank and self._pp_rank in key:
-                            groups[key] = group
+                    for d, grid in enumerate(grids):
+                        for t in range(self._options.tp):
+                            group = dist.new_group([int(grid[r, t]) for r in key])
+                            if d == mine_grid and t == tp_rank and self._pp_rank in key:
+                                groups[key] = group
             if self._pp_rank in key:
                 mine.append((tied.name, groups[key]))
         return mine
@@ -175,7 +189,8 @@ class PipelinedModule(nn.Module):
         """This rank's stage modules of ``plan`` and a torch schedule over them."""
         stored = fully_stored(self._pipeline)
         compile_stage = self._factory.compile if self._options.remat is not None else None
-        modules = [StageModule(s, self._state, self._fixed, self._rank, compile_stage, stored[s.index])
+        zero3 = self._options.zero == 3
+        modules = [StageModule(s, self._state, self._fixed, self._rank, compile_stage, stored[s.index], zero3=zero3)
                    for s in plan.stages_of(self._pp_rank)]
         spec = schedule_spec(self._pipeline.schedule)
         stage_class = _FreeingStage if spec.waits_each_send else _Stage
@@ -277,7 +292,7 @@ class PipelinedModule(nn.Module):
             for name, group in self._tied_groups:
                 param = self.get_parameter(name)
                 if param.grad is None:
-                    param.grad = DTensor.from_local(torch.zeros_like(param.to_local()), self._tp_mesh,
+                    param.grad = DTensor.from_local(torch.zeros_like(param.to_local()), param.device_mesh,
                                                     param.placements, run_check=False, shape=param.shape,
                                                     stride=param.stride())
                 dist.all_reduce(param.grad.to_local(), group=group)

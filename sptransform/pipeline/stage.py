@@ -8,6 +8,8 @@ partitioned by the rematerialisation pass (``recompute=``, per microbatch with
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any, Callable
 
 import torch
@@ -17,6 +19,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
 from sptransform.runtime.params import set_by_path
+from sptransform.runtime.zero import regather_saved
 from sptransform.passes.pipeline_split import StageGraph
 from sptransform.torch_internals import StorageWeakRef, stage_forward_cache
 
@@ -34,10 +37,13 @@ class StageModule(nn.Module):
 
     def __init__(self, stage: StageGraph, state: dict[str, torch.Tensor], fixed_inputs: dict[int, Any],
                  rank: torch.Tensor | None, compile_stage: Callable | None = None,
-                 fully_stored: set[int] | None = None):
+                 fully_stored: set[int] | None = None, zero3: bool = False):
         """``compile_stage(gm, inputs, state_positions)``: the rematerialisation driver
-        (``transform.GraphFactory.compile``), or None to run the graph as captured."""
+        (``transform.GraphFactory.compile``), or None to run the graph as captured. ``zero3``:
+        parameters gathered from ZeRO-3 pieces are gathered again for backward, not kept."""
         super().__init__()
+        self._zero3 = zero3
+        self._regather = regather_saved
         self.index = stage.index
         self.graph = stage.gm
         self._compile_stage = compile_stage
@@ -79,15 +85,23 @@ class StageModule(nn.Module):
         way = self._way_of_next_microbatch()
         run = self.graph if way == "plain" else self._remat_runner(activations, state, user)
         if way in self._observed:
-            return run(*activations, *state, *user, *self._extra)
+            with self._regather() if self._zero3 else contextlib.nullcontext():
+                return run(*activations, *state, *user, *self._extra)
         saved: dict[StorageWeakRef, int] = {}
+        regather = self._regather() if self._zero3 else None
 
         def pack(t):
+            if regather is not None:
+                packed = regather.pack(t)
+                if packed is not t:  # a gathered parameter: gathered again in backward, not kept
+                    return packed
             storage = t.untyped_storage()
             saved[StorageWeakRef(storage)] = storage.nbytes()
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        unpack = regather.unpack if regather is not None else (lambda t: t)
+        with (regather.collecting() if regather is not None else contextlib.nullcontext()), \
+                torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             out = run(*activations, *state, *user, *self._extra)
         outputs = out if isinstance(out, (tuple, list)) else (out,)
         state_storages = {StorageWeakRef(t.untyped_storage()) for t in state if isinstance(t, torch.Tensor)}

@@ -13,10 +13,13 @@ name                  forward              backward
 ``scatter_seq`` (ḡ)   reduce-scatter       all-gather on dim
 ``gather_output``     all-gather on dim    keep local slice
 ``sync_grads``        identity (bucket)    one all-reduce of all grads
+``average_grads``     identity (bucket)    all-reduce / dp (data parallel)
+``gather_shards``     all-gather (ZeRO-3)  reduce-scatter / dp
 ====================  ===================  ===================
 
 Gradients of replicated tensors that feed sharded work arrive *partial* (each rank
-holds its shard's contribution); ``sync_grads`` sums them for parameters.
+holds its shard's contribution); ``sync_grads`` sums them for parameters over the
+tensor-parallel group. The last two act on the data-parallel group.
 """
 
 from __future__ import annotations
@@ -124,6 +127,59 @@ class _SyncGrads(torch.autograd.Function):
         return (None, *out)
 
 
+class _AverageGrads(torch.autograd.Function):
+    """Data parallelism, parameters replicated: identity forward; backward, the bucket's
+    gradients averaged over the data-parallel group in one all-reduce."""
+
+    @staticmethod
+    def forward(ctx, group, size, *params):
+        ctx.group, ctx.size = group, size
+        ctx.shapes = [p.shape for p in params]
+        return tuple(p.view_as(p) for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        flat = torch.cat([(g if g is not None else torch.zeros(s, device=_device(grads))).reshape(-1)
+                          for g, s in zip(grads, ctx.shapes)])
+        flat = _all_reduce(flat, ctx.group) / ctx.size
+        out, offset = [], 0
+        for s in ctx.shapes:
+            n = s.numel()
+            out.append(flat[offset: offset + n].view(s))
+            offset += n
+        return (None, None, *out)
+
+
+def _device(grads) -> torch.device:
+    return next(g.device for g in grads if g is not None)
+
+
+class _GatherShards(torch.autograd.Function):
+    """ZeRO-3: the bucket's flat local pieces all-gathered over the data-parallel group
+    (forward); backward, the full gradient reduce-scattered back to the pieces and averaged."""
+
+    @staticmethod
+    def forward(ctx, flat, group, size):
+        ctx.group, ctx.size = group, size
+        return _all_gather(flat, 0, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, 0, ctx.group) / ctx.size, None, None
+
+
+def average_grads(group: str, size: int, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Identity on a bucket of parameters replicated over the data-parallel ranks; their
+    gradients are averaged over the ``size`` ranks of ``group`` in one all-reduce."""
+    return _AverageGrads.apply(group, size, *params)
+
+
+def gather_shards(flat: torch.Tensor, group: str, size: int) -> torch.Tensor:
+    """All-gather a flat bucket of parameter pieces over the ``size`` data-parallel ranks
+    (``[size * n]``); its backward reduce-scatters and averages the gradient."""
+    return _GatherShards.apply(flat, group, size)
+
+
 def copy_to_tp(x: torch.Tensor, group: str) -> torch.Tensor:
     """f: enter a tensor-parallel region (identity forward, all-reduce backward)."""
     return _CopyToTP.apply(x, group)
@@ -155,4 +211,5 @@ def sync_grads(group: str, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return _SyncGrads.apply(group, *params)
 
 
-COLLECTIVES = (copy_to_tp, reduce_from_tp, gather_seq, scatter_seq, gather_output, sync_grads)
+COLLECTIVES = (copy_to_tp, reduce_from_tp, gather_seq, scatter_seq, gather_output, sync_grads, average_grads,
+               gather_shards)

@@ -56,3 +56,39 @@ def resolve_pipeline_mesh(pp: int, tp: int, mesh: DeviceMesh | None, device: tor
             f"choose pp and tp with pp * tp == {world}, or pass mesh= a ({pp}, {tp}) DeviceMesh"
         )
     return init_device_mesh(_device_type(device), (pp, tp), mesh_dim_names=("pp", "tp"))
+
+
+MESH_AXES = ("dp", "pp", "tp")
+
+
+def resolve_mesh(dp: int, pp: int, tp: int, mesh: DeviceMesh | None, device: torch.device) -> DeviceMesh:
+    """The ``(dp, pp, tp)`` mesh (axes of size 1 left out, ``tp`` always present): the one given,
+    whose axis names must come from ``dp``, ``pp``, ``tp`` with those sizes, or one over the whole
+    process group, row-major with tp innermost (consecutive ranks form a tensor-parallel group)."""
+    wanted = [(name, size) for name, size in zip(MESH_AXES, (dp, pp, tp)) if size > 1 or name == "tp"]
+    if mesh is not None:
+        names = tuple(mesh.mesh_dim_names or ())
+        unknown = [n for n in names if n not in MESH_AXES]
+        given = dict(zip(names, mesh.shape))
+        wrong = [f"{name}={given.get(name, 1)} (want {size})" for name, size in zip(MESH_AXES, (dp, pp, tp))
+                 if given.get(name, 1) != size]
+        if unknown or len(names) != mesh.ndim or wrong:
+            raise ValueError(
+                f"mesh has shape {tuple(mesh.shape)} and axes {names or None}, but dp={dp}, pp={pp}, tp={tp}: "
+                f"pass a DeviceMesh whose axes are named from {MESH_AXES} with those sizes"
+                + (f" (differs: {', '.join(wrong)})" if wrong else "") + (f" (unknown axes {unknown})" if unknown else "")
+            )
+        return mesh
+    world = dp * pp * tp
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(
+            f"dp={dp} x pp={pp} x tp={tp} = {world} ranks need a process group, and none is initialized: launch with "
+            f"`torchrun --nproc-per-node {world} ...` and call torch.distributed.init_process_group() first"
+        )
+    if dist.get_world_size() != world:
+        raise ValueError(
+            f"dp={dp} x pp={pp} x tp={tp} = {world} ranks, but the process group has {dist.get_world_size()}: "
+            f"choose sizes whose product is {dist.get_world_size()}, or pass mesh="
+        )
+    return init_device_mesh(_device_type(device), tuple(size for _, size in wanted),
+                            mesh_dim_names=tuple(name for name, _ in wanted))

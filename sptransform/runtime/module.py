@@ -25,6 +25,8 @@ It behaves like the original module, not like the moment it was captured:
 
 from __future__ import annotations
 
+import contextlib
+
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence
@@ -41,6 +43,7 @@ from sptransform.graph.analysis import analyze, find_loss_output
 from sptransform.graph.plan import ParallelGraph, ParallelPlan, ParamPlacement
 from sptransform.graph.sharding import DimShard
 from sptransform.options import ParallelOptions
+from sptransform.runtime.zero import data_parallel_placement, regather_saved
 from sptransform.runtime.params import (
     call_defaults, contiguous_stride, device_of, get_by_path, placement_of, set_by_path, shard_parameter,
 )
@@ -128,10 +131,14 @@ class ParallelModule(nn.Module):
         mesh: DeviceMesh | None,
         example_args: tuple,
         example_kwargs: dict,
+        param_mesh: DeviceMesh | None = None,
     ):
+        """``mesh``: the tensor-parallel mesh; ``param_mesh``: the (dp, tp) mesh parameters live on
+        with data parallelism (None without)."""
         super().__init__()
         self._options = options
         self._mesh = mesh
+        self._param_mesh = param_mesh
         self._factory = factory  # owns the fake template and the dropout generators
         self._device = device_of(model)
         self._call_defaults = call_defaults(model)
@@ -146,6 +153,7 @@ class ParallelModule(nn.Module):
         check_call(example_args, example_kwargs, self._call_defaults, example=True)
         first = self._factory.build(example_args, example_kwargs, modes=self._modes(), dtypes=self._dtype_map(self._dtypes))
         self._placements = first.plan.placements if first.plan else {}
+        self._data_parallel = first.data_parallel
         self._graphs[self._cache_key(example_args, example_kwargs)] = self._cached(first)
         self._last = first
         self._register_state(model)
@@ -183,6 +191,9 @@ class ParallelModule(nn.Module):
         if self._mesh is None:
             return param
         placement = placement_of(self._placements.get(name, ParamPlacement(None, "replicated")).storage)
+        if self._param_mesh is not None:
+            return shard_parameter(param, [data_parallel_placement(self._data_parallel, name), placement],
+                                   self._param_mesh, self._device)
         return shard_parameter(param, placement, self._mesh, self._device)
 
     def _rank_tensor(self) -> torch.Tensor | None:
@@ -336,10 +347,11 @@ class ParallelModule(nn.Module):
         flat_inputs = pytree.tree_leaves((tuple(args), dict(kwargs)))
         extra = [self._rank] if graph.plan is not None else []
         inputs = [*state, *flat_inputs, *extra]
-        if self._options.recompute == "none":
-            outputs = captured.gm(*inputs)
-        else:
-            outputs = self._remat_runner(graph, inputs)(*[x for x in inputs if isinstance(x, torch.Tensor)])
+        with regather_saved() if self._options.zero == 3 else contextlib.nullcontext():
+            if self._options.recompute == "none":
+                outputs = captured.gm(*inputs)
+            else:
+                outputs = self._remat_runner(graph, inputs)(*[x for x in inputs if isinstance(x, torch.Tensor)])
         outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
         if graph.plan is not None:
             for index, (spec, size) in graph.plan.output_specs.items():

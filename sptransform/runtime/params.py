@@ -65,11 +65,14 @@ def contiguous_stride(shape) -> tuple[int, ...]:
 
 
 def shard_parameter(param: nn.Parameter, placement, mesh: DeviceMesh, device: torch.device) -> nn.Parameter:
-    """``param`` as a DTensor on the 1-D ``mesh`` holding only this rank's shard.
+    """``param`` as a DTensor on ``mesh`` holding only this rank's shard: ``placement`` on a 1-D
+    mesh, or a list of one placement per axis.
 
     A meta parameter gets an uninitialized local shard (values come from a checkpoint);
     otherwise rank 0's values are the source of truth. Under LocalTensorMode each simulated
     rank gets its own storage."""
+    if isinstance(placement, (list, tuple)):
+        return _shard_on_mesh(param, list(placement), mesh, device)
     tp = mesh.size()
     if param.device.type == "meta":
         def make(rank: int) -> torch.Tensor:
@@ -80,6 +83,23 @@ def shard_parameter(param: nn.Parameter, placement, mesh: DeviceMesh, device: to
         dtensor = DTensor.from_local(local, mesh, [placement], run_check=False, shape=param.shape, stride=param.stride())
     else:
         dtensor = _distribute(param.detach(), placement, mesh)
+    return nn.Parameter(dtensor, requires_grad=param.requires_grad)
+
+
+def _shard_on_mesh(param: nn.Parameter, placements: list, mesh: DeviceMesh, device: torch.device) -> nn.Parameter:
+    """An N-D mesh (data x tensor parallel): one placement per axis."""
+    if param.device.type == "meta":
+        shape = list(param.shape)
+        for axis, placement in enumerate(placements):
+            if isinstance(placement, (Shard, StridedShard)):
+                size, parts = shape[placement.dim], mesh.size(axis)
+                chunk = -(-size // parts)
+                coordinate = mesh.get_local_rank(axis)
+                shape[placement.dim] = max(0, min(chunk, size - coordinate * chunk))
+        local = torch.empty(shape, dtype=param.dtype, device=device)
+        dtensor = DTensor.from_local(local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride())
+    else:
+        dtensor = distribute_tensor(param.detach().clone(), mesh, placements, src_data_rank=0)
     return nn.Parameter(dtensor, requires_grad=param.requires_grad)
 
 

@@ -1,0 +1,151 @@
+"""ZeRO-3 on a rank: parameters held in 1/dp pieces, gathered where a layer uses them.
+
+``gather_params(group, size, dims, shapes, *pieces)`` all-gathers one bucket of parameter
+pieces over the data-parallel group in one collective and returns the tensor-parallel-local
+parameters; its backward reduce-scatters the bucket's gradients back to the pieces and
+averages them over the group.
+
+A gathered parameter is read by the ops that use it, and autograd would keep it alive for
+their backward (a linear saves its weight), so ZeRO-3 would save nothing. ``regather_saved``
+is the saved-tensor hook that prevents it: a gathered parameter saved for backward is stored as
+its bucket and position, and gathered again when the backward needs it (the last two buckets
+gathered again are kept, since a layer's backward reads its parameters one after another).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+
+import torch
+
+from sptransform.runtime.collectives import _all_gather, _reduce_scatter
+from sptransform.torch_internals import StorageWeakRef
+
+_ACTIVE: list[dict] = []
+"""The registries of the ``regather_saved`` contexts entered (innermost last): storage of a
+gathered parameter -> (its bucket, its position in it)."""
+
+
+class _Bucket:
+    """What gathering a bucket again needs: this rank's pieces, how to rebuild, the group."""
+
+    def __init__(self, pieces, group: str, size: int, dims, shapes):
+        self.pieces = [p.detach() for p in pieces]
+        self.group, self.size, self.dims, self.shapes = group, size, tuple(dims), tuple(shapes)
+
+    def gather(self) -> list[torch.Tensor]:
+        flat = torch.cat([p.reshape(-1) for p in self.pieces])
+        return _rebuild(_all_gather(flat, 0, self.group), self.pieces, self.size, self.dims, self.shapes)
+
+
+def _rebuild(gathered: torch.Tensor, pieces, size: int, dims, shapes) -> list[torch.Tensor]:
+    """Split ``[size * n]`` (every rank's flat bucket) into the full parameters: rank k's piece of
+    a parameter is its k-th chunk along its ZeRO dim."""
+    rows = gathered.view(size, -1)
+    out, offset = [], 0
+    for piece, dim, shape in zip(pieces, dims, shapes):
+        n = piece.numel()
+        chunk = rows[:, offset: offset + n].reshape(size, *piece.shape)
+        out.append(chunk.movedim(0, dim).reshape(shape).contiguous())
+        offset += n
+    return out
+
+
+class _GatherParams(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, size, dims, shapes, *pieces):
+        ctx.group, ctx.size, ctx.dims, ctx.shapes = group, size, dims, shapes
+        ctx.piece_shapes = [p.shape for p in pieces]
+        ctx.dtypes = [p.dtype for p in pieces]
+        bucket = _Bucket(pieces, group, size, dims, shapes)
+        full = bucket.gather()
+        if _ACTIVE:
+            for index, tensor in enumerate(full):
+                _ACTIVE[-1][StorageWeakRef(tensor.untyped_storage())] = (bucket, index)
+        return tuple(full)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        pieces = []
+        for grad, dim, shape, piece_shape, dtype in zip(grads, ctx.dims, ctx.shapes, ctx.piece_shapes, ctx.dtypes):
+            if grad is None:
+                grad = torch.zeros(shape, dtype=dtype)
+            # [.., size * L, ..] -> [size, .., L, ..]: rank k's chunk first, then flattened
+            split = grad.reshape(*shape[:dim], ctx.size, piece_shape[dim], *shape[dim + 1:]).movedim(dim, 0)
+            pieces.append(split.reshape(ctx.size, -1))
+        flat = torch.cat(pieces, dim=1).reshape(-1)
+        local = _reduce_scatter(flat.contiguous(), 0, ctx.group) / ctx.size
+        out, offset = [], 0
+        for piece_shape in ctx.piece_shapes:
+            n = piece_shape.numel()
+            out.append(local[offset: offset + n].view(piece_shape))
+            offset += n
+        return (None, None, None, None, *out)
+
+
+def gather_params(group: str, size: int, dims: list[int], shapes: list[list[int]], *pieces: torch.Tensor):
+    """ZeRO-3: the full (tensor-parallel-local) parameters of one bucket, from this rank's pieces."""
+    return _GatherParams.apply(group, size, tuple(dims), tuple(tuple(s) for s in shapes), *pieces)
+
+
+_REGATHER = object()
+
+
+class Regather:
+    """The saved-tensor hooks of one forward pass: gathered parameters are not kept for backward,
+    but gathered again when it needs them (see the module docstring). ``pack``/``unpack`` can be
+    composed with other hooks; ``with Regather():`` installs them alone."""
+
+    def __init__(self):
+        self.registry: dict = {}
+        self.cache: OrderedDict[int, list[torch.Tensor]] = OrderedDict()
+
+    def pack(self, tensor: torch.Tensor):
+        found = self.registry.get(StorageWeakRef(tensor.untyped_storage()))
+        if found is None:
+            return tensor
+        bucket, index = found
+        return (_REGATHER, bucket, index, tensor.size(), tensor.stride(), tensor.storage_offset())
+
+    def unpack(self, saved):
+        if not (isinstance(saved, tuple) and saved and saved[0] is _REGATHER):
+            return saved
+        _, bucket, index, size, stride, offset = saved
+        key = id(bucket)
+        if key not in self.cache:
+            self.cache[key] = bucket.gather()
+            while len(self.cache) > 2:
+                self.cache.popitem(last=False)
+        return self.cache[key][index].as_strided(size, stride, offset)
+
+    @contextlib.contextmanager
+    def collecting(self):
+        """Gathers made inside register their outputs here (for ``pack``)."""
+        _ACTIVE.append(self.registry)
+        try:
+            yield self
+        finally:
+            _ACTIVE.remove(self.registry)
+
+    def __enter__(self):
+        self._contexts = contextlib.ExitStack()
+        self._contexts.enter_context(self.collecting())
+        self._contexts.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack))
+        return self
+
+    def __exit__(self, *exc):
+        return self._contexts.__exit__(*exc)
+
+
+def regather_saved() -> Regather:
+    """``with regather_saved(): forward`` (see ``Regather``)."""
+    return Regather()
+
+
+def data_parallel_placement(plan, name: str):
+    """A parameter's placement on the data-parallel axis: its ZeRO-3 dim split, else whole."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    dim = plan.dims.get(name) if plan is not None and plan.zero == 3 else None
+    return Shard(dim) if dim is not None else Replicate()
