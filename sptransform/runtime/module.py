@@ -303,12 +303,25 @@ class ParallelModule(nn.Module):
     # -- running ------------------------------------------------------------
 
     def forward(self, *args, **kwargs):
+        # Three layers, so that torch.compile(pm) compiles the arithmetic and nothing else:
+        # choosing the graph and checking the inputs reads values, may capture a new graph and
+        # runs a collective (eager, every call); the graph itself is traced; the DTensor outputs
+        # are built outside the compiled region (see ``_finish``).
         kwargs = {**self._call_defaults, **kwargs}
-        if torch.compiler.is_compiling():  # traced: the checks read values; run the graph only
-            cached, values = self._graph_for(args, kwargs)
-        else:
-            cached, values = self._prepare(args, kwargs)
-        return self._run(cached.graph, values, args, kwargs)
+        graph = self._dispatch(args, kwargs)
+        outputs = self._compute(graph, args, kwargs)
+        return self._finish(graph, outputs)
+
+    @torch.compiler.disable
+    def _dispatch(self, args: tuple, kwargs: dict) -> ParallelGraph:
+        """The graph of this call's signature and mode, after the input checks. Runs eagerly
+        under ``torch.compile`` (one graph break before the compiled region): it hashes the
+        input signature, may capture and transform a new graph, reads input values and
+        all-gathers their fingerprint, none of which belongs in a compiled graph; the graph it
+        returns is what the compiled region is specialized on (a new signature or mode
+        returns another graph and dynamo recompiles)."""
+        cached, _ = self._prepare(args, kwargs)
+        return cached.graph
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[_Cached, dict[str, torch.Tensor]]:
         """Phase 1 (local: structure, graph, vocabulary), then phase 2 (ranks agree) — see
@@ -340,23 +353,52 @@ class ParallelModule(nn.Module):
             return False
         return local_tensor_mode() is not None or dist.get_backend(self._mesh.get_group()) != "fake"
 
-    def _run(self, graph: ParallelGraph, values: dict[str, torch.Tensor], args: tuple, kwargs: dict):
-        self._last = graph
+    def _graph_inputs(self, graph: ParallelGraph, args: tuple, kwargs: dict) -> list:
+        """The graph's inputs: local shards of the state, the flat user inputs, the rank."""
         captured = graph.captured
-        state = [self._local_state(name, captured, values) for name in captured.state_names]
+        state = [self._local_state(name, captured) for name in captured.state_names]
         flat_inputs = pytree.tree_leaves((tuple(args), dict(kwargs)))
         extra = [self._rank] if graph.plan is not None else []
-        inputs = [*state, *flat_inputs, *extra]
+        return [*state, *flat_inputs, *extra]
+
+    def _compute(self, graph: ParallelGraph, args: tuple, kwargs: dict) -> list:
+        """Run ``graph`` on this call's inputs; the flat outputs, local tensors (traced by
+        ``torch.compile``; with an AOTAutograd runner, that runner is called eagerly). With
+        ZeRO-3 the parameters gathered for the forward are not kept for backward but gathered
+        again (``runtime.zero.regather_saved``)."""
         with regather_saved() if self._options.zero == 3 else contextlib.nullcontext():
-            if self._options.recompute == "none":
-                outputs = captured.gm(*inputs)
-            else:
-                outputs = self._remat_runner(graph, inputs)(*[x for x in inputs if isinstance(x, torch.Tensor)])
-        outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+            if self._runner_compiles:
+                return self._compute_with_runner(graph, args, kwargs)
+            outputs = graph.captured.gm(*self._graph_inputs(graph, args, kwargs))
+        return list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+
+    @torch.compiler.disable
+    def _compute_with_runner(self, graph: ParallelGraph, args: tuple, kwargs: dict) -> list:
+        """The partitioned runner (``recompute``/``compile``): already AOTAutograd-compiled by
+        sptransform, so ``torch.compile(pm)`` calls it as is instead of tracing it again."""
+        inputs = self._graph_inputs(graph, args, kwargs)
+        outputs = self._remat_runner(graph, inputs)(*[x for x in inputs if isinstance(x, torch.Tensor)])
+        return list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+
+    @property
+    def _runner_compiles(self) -> bool:
+        """Whether graphs run through sptransform's own AOTAutograd runner (``recompute``)."""
+        return self._options.recompute != "none"
+
+    @torch.compiler.disable
+    def _finish(self, graph: ParallelGraph, outputs: list):
+        """The user's output structure, vocabulary-split outputs as DTensors. Eager under
+        ``torch.compile``: a DTensor output of a compiled region that requires grad gets a
+        *plain* zero tangent from autograd when the loss does not use it (logits beside the
+        loss), which AOTAutograd, having guessed a DTensor tangent, refuses
+        (pytorch/pytorch#173123). Built here, outside the region, the compiled graph returns
+        the local logits, and ``DTensor.from_local``'s own backward takes either kind."""
+        self._last = graph
+        outputs = list(outputs)
         if graph.plan is not None:
             for index, (spec, size) in graph.plan.output_specs.items():
                 outputs[index] = self._as_dtensor(outputs[index], spec, size)
-        return pytree.tree_unflatten(outputs, captured.out_spec)
+        return pytree.tree_unflatten(outputs, graph.captured.out_spec)
 
     def _remat_runner(self, graph: ParallelGraph, inputs: list):
         if graph.compiled is None:
@@ -368,10 +410,10 @@ class ParallelModule(nn.Module):
             graph.compiled = self._factory.compile(graph.gm, inputs, range(len(graph.captured.state_names)))
         return graph.compiled
 
-    def _local_state(self, name: str, captured: CapturedGraph, values: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _local_state(self, name: str, captured: CapturedGraph) -> torch.Tensor:
         if name in captured.constants:
             return captured.constants[name]
-        value = values[name] if name in values else get_by_path(self, name)
+        value = get_by_path(self, name)
         return value.to_local() if isinstance(value, DTensor) else value
 
     def _as_dtensor(self, local: torch.Tensor, spec: DimShard, size: int) -> DTensor:
