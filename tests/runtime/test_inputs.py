@@ -169,22 +169,22 @@ def test_inputs_embeds_is_supported(make, sp):
 
 
 def test_inputs_embeds_that_require_grad():
-    """sp=False: the gradient of a replicated float input is the full one; sp=True would give each
-    rank only its slice of it, so that is refused with the fix."""
+    """A float input that requires grad gets its full gradient with sp=True and sp=False. With
+    sp=True the residual stream that starts from it is not cut to each rank's part of the sequence
+    here (the norms run replicated, f / f-bar collectives), so no rank's gradient is partial; were it
+    cut, ``_check_split_inputs`` refuses the call (tested with ``WithBias`` below)."""
     model = _gpt2()
     ref = copy.deepcopy(model)
     labels = _ids()
     embeds = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(3))
-    mine, theirs = embeds.clone().requires_grad_(), embeds.clone().requires_grad_()
+    theirs = embeds.clone().requires_grad_()
     ref(inputs_embeds=theirs, labels=labels).loss.backward()
-    with simulated_ranks(2):
-        pm = sptransform.parallelize(copy.deepcopy(model), tp=2, sp=True, example_inputs=_hf()())
-        with pytest.raises(ValueError, match=r"input 'inputs_embeds' requires grad and is split along the sequence.*"
-                                             r"detach it, or pass sp=False"):
-            pm(inputs_embeds=embeds.clone().requires_grad_(), labels=labels)
-        pm = sptransform.parallelize(model, tp=2, sp=False, example_inputs=_hf()())
-        pm(inputs_embeds=mine, labels=labels).loss.backward()
-        assert_all_ranks_close(mine.grad, theirs.grad, rtol=1e-4, atol=1e-6, what="grad of inputs_embeds")
+    for sp in (True, False):
+        mine = embeds.clone().requires_grad_()
+        with simulated_ranks(2):
+            pm = sptransform.parallelize(copy.deepcopy(model), tp=2, sp=sp, example_inputs=_hf()())
+            pm(inputs_embeds=mine, labels=labels).loss.backward()
+            assert_all_ranks_close(mine.grad, theirs.grad, rtol=1e-4, atol=1e-6, what=f"grad of inputs_embeds, sp={sp}")
 
 
 class WithBias(nn.Module):
@@ -221,3 +221,14 @@ def test_meta_example_inputs_are_fine():
     with simulated_ranks(2):
         pm = sptransform.parallelize(_gpt2(), tp=2, example_inputs=batch)
         assert all(v.device.type == "cpu" for v in per_rank(pm(**_hf()()).loss))
+
+
+def test_a_float_input_that_requires_grad_and_is_cut_to_the_sequence_split_is_refused():
+    """Each rank would get only its part of the bias's gradient: refused, naming the input and the fix."""
+    torch.manual_seed(0)
+    model = WithBias()
+    bias = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(4))
+    with simulated_ranks(2):
+        pm = sptransform.parallelize(model, tp=2, sp=True, example_inputs=(_ids(), _ids(), bias))
+        with pytest.raises(ValueError, match=r"requires grad and is split along the sequence.*detach it, or pass sp=False"):
+            pm(_ids(), _ids(), bias.clone().requires_grad_())

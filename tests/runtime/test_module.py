@@ -53,7 +53,7 @@ def test_code_shows_the_collectives_and_explain_lists_regions_placements_and_byt
     for name in ("gather_seq", "scatter_seq", "sync_grads", "vocab_parallel_cross_entropy"):
         assert name in code
     assert "layer   1 attention" in report and "blocks.1.attn.o.weight" in report
-    assert "_StridedShard" not in report and "DimShard(dim=0, segments=((0, 16), (16, 16)))" in report  # fused [k|v]
+    assert "_StridedShard" not in report and "blocks.0.attn.kv.weight                            S(0, 2 segments)" in report  # fused [k|v]
     assert "per step: 10 all-gather, 6 all-reduce, 10 reduce-scatter" in report
 
 
