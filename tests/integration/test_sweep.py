@@ -187,26 +187,22 @@ def test_totals_and_table_format(tmp_path):
 # -- slow: the script on a subset --------------------------------------------------------------------
 
 EQUAL = "equal"
-NORM_GRAD = r"model\.(layers\.\d+\.(input_layernorm|post_attention_layernorm)|norm)\.weight"
 SUBSET: dict[str, tuple] = {
     # model type: (tp=2 with SP, tp=4 without SP); a str is the status, a (status, regex) pair is
     # "wrong in exactly the rows whose names match"
     "gpt2": (EQUAL, EQUAL),                          # fused Conv1D QKV, learned positions, tied head
     "llama": (EQUAL, EQUAL),                         # RoPE, GQA, SwiGLU
-    "gemma": (("wrong", NORM_GRAD), EQUAL),          # x * (1 + weight) norm: unsummed under SP
-    "opt": ("refused", EQUAL),                       # MLP on [b*s, h]: SP cannot find the sequence dim
+    "gemma": (EQUAL, EQUAL),                         # x * (1 + weight) norm (was wrong: gradient unsummed under SP)
+    "opt": (EQUAL, EQUAL),                           # MLP on [b*s, h] (was refused), padding_idx embedding
     "bart": (EQUAL, EQUAL),                          # decoder of an encoder-decoder (cross-attention unused)
     "gpt_neox": (EQUAL, EQUAL),                      # partial rotary, parallel residual, per-head fused QKV
     "bloom": ("refused", "refused"),                 # ALiBi built from an attention mask
     "mixtral": ("refused", "refused"),               # MoE with data-dependent routing
-    "falcon": ("refused", EQUAL),                    # multi-query, parallel attention
+    "falcon": (EQUAL, EQUAL),                        # multi-query fused QKV: attention replicated, MLP split
     "mamba": ("refused", "refused"),                 # SSM, no attention
     "qwen3": (EQUAL, EQUAL),                         # per-head q/k norms (weight * x)
-    "gemma3_text": (("wrong", r"model\.(layers\.\d+\.(self_attn\.[qk]_norm|input_layernorm|post_attention_layernorm|"
-                              r"pre_feedforward_layernorm|post_feedforward_layernorm)|norm)\.weight"),
-                    ("wrong", r"model\.layers\.\d+\.self_attn\.[qk]_norm\.weight")),
-    # ^ per-head q/k norms written x * (1 + weight) over head-split activations: their weight
-    #   gradients are each rank's share without SP too; with SP every (1 + weight) norm as in gemma
+    "gemma3_text": (EQUAL, EQUAL),                   # per-head q/k norms written x * (1 + weight) over
+    #   head-split activations (was wrong: their weight gradients were each rank's share)
 }
 
 
