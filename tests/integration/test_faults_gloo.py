@@ -80,6 +80,9 @@ def _one_rank_calls_parallelize(rank: int, world: int, port: int, timeout_s: flo
             result["elapsed"] = time.monotonic() - start
             with open(out, "w") as f:
                 json.dump(result, f)
+            # A gloo group whose collective timed out cannot be torn down cleanly: its pending
+            # work aborts the process from a destructor (std::terminate). The result is written.
+            os._exit(0)
         else:  # busy elsewhere, never calling parallelize, until rank 0 has given up
             end = time.monotonic() + timeout_s + 60
             while not os.path.exists(out) and time.monotonic() < end:
