@@ -12,6 +12,7 @@ which ``ParallelModule`` caches.
 from __future__ import annotations
 
 import copy
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -147,6 +148,7 @@ def capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph:
         constants[name] = value
     _drop_export_asserts(ep.graph_module)
     _refuse_data_dependent_shapes(ep.graph_module)
+    _refuse_hidden_writes(ep.graph_module)
     _refuse_custom_autograd_functions(template, fake_args, fake_kwargs)
     num_user = sum(1 for s in signature.input_specs if s.kind == InputKind.USER_INPUT)
     return CapturedGraph(
@@ -199,6 +201,75 @@ def _refuse_data_dependent_shapes(gm: fx.GraphModule) -> None:
             "with nonzero or a boolean mask), which sptransform cannot split; write the routing with fixed "
             "shapes (e.g. a dense dispatch with masks or capacity-padded expert batches). Made by:\n  "
             + "\n  ".join(sites)
+        )
+
+
+def _aliased_input(node: fx.Node) -> fx.Node | None:
+    """The input whose storage ``node``'s value shares (a view, an in-place op's return, an
+    item of a split), read from the op overload's schema; None for a fresh tensor."""
+    if node.op != "call_function":
+        return None
+    if node.target is operator.getitem:
+        source = node.args[0]
+        return source if isinstance(source, fx.Node) and _aliased_input(source) is not None else None
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return None
+    values = list(node.args) + [node.kwargs.get(a.name) for a in schema.arguments[len(node.args):]]
+    for argument, value in zip(schema.arguments, values):
+        if argument.alias_info is not None and isinstance(value, fx.Node):
+            return value
+    return None
+
+
+def _written_inputs(node: fx.Node) -> list[fx.Node]:
+    """The inputs an op writes into (``Tensor(a!)`` in its schema: ``copy_``, ``add_``, ``out=``)."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    if schema is None or not schema.is_mutable:
+        return []
+    values = list(node.args) + [node.kwargs.get(a.name) for a in schema.arguments[len(node.args):]]
+    return [value for argument, value in zip(schema.arguments, values)
+            if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, fx.Node)]
+
+
+def _refuse_hidden_writes(gm: fx.GraphModule) -> None:
+    """An in-place write (``buf[..., :k].copy_(x)``, ``t.masked_fill_(...)``) whose result is
+    read afterwards through another alias of the same storage (``buf`` itself, an earlier view)
+    is invisible to dataflow: the analysis would place, cut or gather the unwritten value.
+    Reads through the in-place op's own result are dataflow and fine. Name every hidden read."""
+    from sptransform.graph.sharding import describe
+
+    nodes = list(gm.graph.nodes)
+    order = {node: i for i, node in enumerate(nodes)}
+    source = {node: _aliased_input(node) for node in nodes}
+    root: dict[fx.Node, fx.Node] = {}
+    group: dict[fx.Node, list[fx.Node]] = {}
+    for node in nodes:
+        root[node] = root[source[node]] if source[node] is not None else node
+        group.setdefault(root[node], []).append(node)
+
+    def written_through(node: fx.Node, write: fx.Node) -> bool:
+        while node is not None:
+            if node is write:
+                return True
+            node = source[node]
+        return False
+
+    sites = []
+    for write in nodes:
+        for target in _written_inputs(write):
+            for member in group[root[target]]:
+                if written_through(member, write):
+                    continue
+                for user in member.users:
+                    if order[user] > order[write] and source[user] is not member:
+                        sites.append(f"{describe(write)}\n    is read afterwards, not through its result, by {describe(user)}")
+    if sites:
+        raise ValueError(
+            "the model's forward writes in place into a tensor that it then reads under another name; "
+            "sptransform follows dataflow and would miss the write (a parallel graph could read the value "
+            "from before it): write it out of place (torch.cat, torch.where, x = x * s) or read the result "
+            "of the in-place op. Writes:\n  " + "\n  ".join(dict.fromkeys(sites))
         )
 
 

@@ -138,6 +138,8 @@ EXPECTED: dict[str, tuple] = {
     "dead_code": (Refused("aten.linalg_vector_norm"), EQUAL),
     "unused_probe": (Refused("no column-parallel linear feeds it"),) * 2,
     "einsum_projections": (Refused("needs an attention to find the sequence dim"), EQUAL),
+    "buffer_key": (Refused("writes in place into a tensor that it then reads under another name"),) * 2,
+    "inplace_result": (EQUAL, EQUAL),
 }
 LAYOUTS = (("tp2_sp", 2, True), ("tp4", 4, False))
 

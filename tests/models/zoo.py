@@ -1434,6 +1434,82 @@ class EinsumProjectionLM(nn.Module):
 
 
 # --------------------------------------------------------------------------------------------
+# 28. in-place writes: a key assembled in a buffer (new_empty + copy_ into two slices, as
+#     DeepSeek's MLA attention does) and read through the buffer; in-place ops read through
+#     their own result
+
+
+class BufferKeyAttention(nn.Module):
+    """Keys and values from a compressed latent (MLA): ``kv_a`` -> norm -> ``kv_b``."""
+
+    def __init__(self, d, n_head, rank=16):
+        super().__init__()
+        self.n_head, self.hd = n_head, d // n_head
+        self.q, self.o = nn.Linear(d, d), nn.Linear(d, d)
+        self.kv_a = nn.Linear(d, rank + self.hd // 2, bias=False)
+        self.kv_norm = nn.LayerNorm(rank)
+        self.kv_b = nn.Linear(rank, n_head * (self.hd // 2 + self.hd), bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        half = self.hd // 2
+        q = self.q(x).view(b, s, self.n_head, self.hd).transpose(1, 2)
+        latent, shared = self.kv_a(x).split([self.kv_norm.normalized_shape[0], half], dim=-1)
+        kv = self.kv_b(self.kv_norm(latent)).view(b, s, self.n_head, half + self.hd).transpose(1, 2)
+        k_own, v = kv.split([half, self.hd], dim=-1)
+        shared = shared.view(b, 1, s, half).expand(-1, self.n_head, -1, -1)
+        key = k_own.new_empty(b, self.n_head, s, self.hd)
+        key[..., :half].copy_(k_own)
+        key[..., half:].copy_(shared)
+        return self.o(F.scaled_dot_product_attention(q, key, v, is_causal=True).transpose(1, 2).reshape(b, s, -1))
+
+
+class InPlaceAttention(nn.Module):
+    def __init__(self, d, n_head):
+        super().__init__()
+        self.n_head, self.hd = n_head, d // n_head
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, self.n_head, self.hd).transpose(1, 2) for p in (self.q, self.k, self.v))
+        q = q.mul_(self.hd ** -0.25)  # read through the in-place op's result
+        scores = (q @ k.transpose(-1, -2)).mul_(self.hd ** -0.25)
+        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu_(1)
+        probs = scores.masked_fill_(mask, float("-inf")).softmax(-1)
+        return self.o((probs @ v).transpose(1, 2).reshape(b, s, -1))
+
+
+class InPlaceLM(nn.Module):
+    attention = BufferKeyAttention
+
+    def __init__(self, vocab=128, d=HIDDEN, n_head=HEADS, n_layer=LAYERS):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(2 * n_layer))
+        self.attn = nn.ModuleList(self.attention(d, n_head) for _ in range(n_layer))
+        self.mlp = nn.ModuleList(nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+                                 for _ in range(n_layer))
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx, targets):
+        x = self.tok(idx)
+        for i, (attn, mlp) in enumerate(zip(self.attn, self.mlp)):
+            x = x + attn(self.norms[2 * i](x))
+            x = x + mlp(self.norms[2 * i + 1](x))
+        logits = self.head(x)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+class BufferKeyLM(InPlaceLM):
+    attention = BufferKeyAttention
+
+
+class InPlaceResultLM(InPlaceLM):
+    attention = InPlaceAttention
+
+
+# --------------------------------------------------------------------------------------------
 # the registry
 
 
@@ -1521,6 +1597,9 @@ ZOO: dict[str, Entry] = {
                           "gradient on one device either)"),
     "einsum_projections": Entry(EinsumProjectionLM, "no nn.Linear: raw Parameters [hidden, heads, d] contracted "
                                 "with einsum, F.embedding, F.rms_norm, vocabulary 257"),
+    "buffer_key": Entry(BufferKeyLM, "key assembled in a new_empty buffer by copy_ into two slices and read "
+                        "through the buffer (DeepSeek MLA's expand_kv)"),
+    "inplace_result": Entry(InPlaceResultLM, "in-place mul_, triu_, masked_fill_ read through their own results"),
 }
 
 
