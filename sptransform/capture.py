@@ -257,19 +257,20 @@ def _refuse_hidden_writes(gm: fx.GraphModule) -> None:
 
     sites = []
     for write in nodes:
-        for target in _written_inputs(write):
-            for member in group[root[target]]:
-                if written_through(member, write):
-                    continue
-                for user in member.users:
-                    if order[user] > order[write] and source[user] is not member:
-                        sites.append(f"{describe(write)}\n    is read afterwards, not through its result, by {describe(user)}")
+        readers = [user for target in _written_inputs(write) for member in group[root[target]]
+                   if not written_through(member, write)
+                   for user in member.users if order[user] > order[write] and source[user] is not member]
+        readers = list(dict.fromkeys(readers))
+        if readers:
+            more = f" (and {len(readers) - 2} more)" if len(readers) > 2 else ""
+            sites.append(f"{describe(write)}\n    is read afterwards, not through its result, by "
+                         + "; ".join(describe(r) for r in readers[:2]) + more)
     if sites:
         raise ValueError(
             "the model's forward writes in place into a tensor that it then reads under another name; "
             "sptransform follows dataflow and would miss the write (a parallel graph could read the value "
             "from before it): write it out of place (torch.cat, torch.where, x = x * s) or read the result "
-            "of the in-place op. Writes:\n  " + "\n  ".join(dict.fromkeys(sites))
+            "of the in-place op. Writes:\n  " + "\n  ".join(sites)
         )
 
 
