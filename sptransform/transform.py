@@ -10,6 +10,7 @@ Every path (``parallelize``'s module, its pipeline stages, ``sptransform memory`
     gradient reductions          graph.gradients                where gradients arrive partial
     tensor + sequence parallel   passes.tensor_parallel         local shapes, collectives, f, buckets
     dropout                      passes.dropout                 rank-aware masks
+    [data parallel]              passes.data_parallel           dp > 1: gradient averaging / ZeRO-3 gathers
     [pipeline split]             pipeline.plan                  pp > 1: stages at layer boundaries
     [remat partition, compile]   passes.remat + aot_compile     recompute != "none": AOTAutograd
 
