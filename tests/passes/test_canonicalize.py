@@ -1,0 +1,100 @@
+"""The canonicalizing passes and the localizing helper on their own, on exported graphs: each
+keeps the graph's value and produces the form its docstring shows."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from sptransform.graph.sharding import DimShard
+from sptransform.passes.canonicalize import remove_dead_code, repeat_grouped_kv, split_bias
+from sptransform.passes.localize import localize
+
+aten = torch.ops.aten
+
+
+def _export(module: nn.Module, *args):
+    return torch.export.export(module, args, strict=False).module()
+
+
+def _targets(gm) -> list:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+class DeadAndBias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+
+    def forward(self, x):
+        unused = x.norm()  # noqa: F841  (dead: no output reads it)
+        return self.lin(x)
+
+
+def test_remove_dead_code_erases_what_no_output_reads_and_keeps_the_value():
+    x = torch.randn(3, 4)
+    module = DeadAndBias()
+    gm = _export(module, x)
+    assert aten.linalg_vector_norm.default in _targets(gm)
+    assert remove_dead_code(gm) >= 1
+    assert aten.linalg_vector_norm.default not in _targets(gm)
+    torch.testing.assert_close(gm(x), module(x))
+
+
+def test_split_bias_takes_the_bias_out_of_linear_and_addmm():
+    x = torch.randn(3, 4)
+    module = DeadAndBias()
+    gm = _export(module, x)
+    linear = next(n for n in gm.graph.nodes if n.target is aten.linear.default)
+    split_bias(gm, linear)
+    gm.recompile()
+    assert len(linear.args) == 2 and [u.target for u in linear.users] == [aten.add.Tensor]
+    torch.testing.assert_close(gm(x), module(x))
+
+    class Addmm(nn.Module):
+        def forward(self, b, x, w):
+            return torch.addmm(b, x, w)
+
+    b, w = torch.randn(6), torch.randn(4, 6)
+    gm = _export(Addmm(), b, x, w)
+    node = next(n for n in gm.graph.nodes if n.target is aten.addmm.default)
+    split_bias(gm, node)
+    gm.recompile()
+    assert node.target is aten.mm.default and aten.add.Tensor in _targets(gm)
+    torch.testing.assert_close(gm(b, x, w), torch.addmm(b, x, w))
+
+
+class GQA(nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def test_repeat_grouped_kv_only_where_tp_does_not_divide_the_kv_heads():
+    q, k, v = torch.randn(1, 8, 5, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    gm = _export(GQA(), q, k, v)
+    assert repeat_grouped_kv(gm, tp=2) == 0  # 2 K/V heads split over 2 ranks as they are
+    assert repeat_grouped_kv(gm, tp=4) == 1
+    sdpa = next(n for n in gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default)
+    assert "enable_gqa" not in sdpa.kwargs
+    assert [a.target for a in sdpa.args[1:3]] == [aten.repeat_interleave.self_int] * 2
+    assert all(a.meta["val"].shape[-3] == 8 for a in sdpa.args[1:3])
+    torch.testing.assert_close(gm(q, k, v), GQA()(q, k, v))
+
+
+class Reshape(nn.Module):
+    def forward(self, x):
+        return x.view(2, 3, 4).new_zeros(2, 3, 4) + x.view(2, 3, 4)
+
+
+def test_localize_rewrites_size_arguments_to_the_local_shard():
+    gm = _export(Reshape(), torch.randn(6, 4))
+    view = next(n for n in gm.graph.nodes if n.target is aten.view.default)
+    zeros = next(n for n in gm.graph.nodes if n.target is aten.new_zeros.default)
+    spec = DimShard(2, ((0, 4),))
+    localize(view, spec, tp=2)
+    localize(zeros, spec, tp=2)
+    assert list(view.args[1]) == [2, 3, 2] and list(zeros.args[1]) == [2, 3, 2]
+    assert view.meta["sptransform_spec"] == spec
+    fused = DimShard(2, ((0, 2), (2, 2)))  # two segments, each split: 1 + 1 local columns
+    assert fused.local_size(2) == 2 and fused.indices(1, 2) == [1, 3]
