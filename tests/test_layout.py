@@ -79,3 +79,34 @@ def test_graph_imports_no_pass_or_runtime():
     bad = [(a, b) for a, b in graph.edges if a.startswith("sptransform.graph")
            and not b.startswith(("sptransform.graph", "sptransform.capture", "sptransform.torch_internals", "sptransform.options"))]
     assert not bad, bad
+
+
+def _private(dotted: str) -> bool:
+    return dotted.split(".")[0] == "torch" and any(part.startswith("_") for part in dotted.split(".")[1:])
+
+
+def test_private_torch_apis_only_through_torch_internals():
+    """``import torch._x`` / ``from torch.a._b import c`` / ``from torch.a import _c`` and
+    attribute use such as ``torch._dynamo.x`` appear in ``torch_internals.py`` only (op overloads
+    reached through ``torch.ops`` are op identity, not private Python API)."""
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "torch_internals.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Attribute) and not isinstance(getattr(node, "ctx", None), ast.Store):
+                parts, value = [node.attr], node.value
+                while isinstance(value, ast.Attribute):
+                    parts.append(value.attr)
+                    value = value.value
+                if isinstance(value, ast.Name) and value.id == "torch":
+                    dotted = ".".join(["torch", *reversed(parts)])
+                    if not dotted.startswith("torch.ops."):
+                        names = [dotted]
+            found += [f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {n}" for n in names if _private(n)]
+    assert not found, "private torch APIs outside torch_internals.py:\n" + "\n".join(sorted(set(found)))
