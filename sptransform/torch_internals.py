@@ -199,6 +199,9 @@ def plain_dtensor(dtensor):
     return _DTensor(dtensor._local_tensor, dtensor._spec, requires_grad=dtensor.requires_grad)
 
 
+_RNG_REPLAY = (run_and_save_rng_state, run_with_rng_state)
+
+
 def inductor_graph_compilers(num_user_outputs: int, model=None):
     """Inductor's compilers for a forward and a backward graph partitioned by someone else:
     ``(fw_compiler, bw_compiler)`` for AOTAutograd, what ``compile_fx`` builds around its own
@@ -227,16 +230,25 @@ def inductor_graph_compilers(num_user_outputs: int, model=None):
     # fallback_random: the random ops (dropout masks, drawn from the generators that
     # ``passes.dropout`` and the remat replay set) run as ATen's, so the masks are eager's;
     # inductor's own RNG would draw others (and its lowering expects the joint-graph pass that
-    # replaces them, which a graph partitioned outside inductor has not been through)
+    # replaces them, which a graph partitioned outside inductor has not been through).
+    # No reordering where the remat replays RNG: the post-grad locality pass keeps random
+    # OpOverloads in order but moves the higher-order run_and_save_rng_state/run_with_rng_state
+    # past them, and so does the scheduler's peak-memory pass, which changes the draws each
+    # dropout gets (seen on HF GPT-2 with recompute="selective").
+    def settings(gm):
+        if any(n.op == "call_function" and n.target in _RNG_REPLAY for n in gm.graph.nodes):
+            return inductor_config.patch(fallback_random=True, reorder_for_locality=False, reorder_for_peak_memory=False)
+        return inductor_config.patch(fallback_random=True)
+
     def fw_compiler(gm, example_inputs):
-        with inductor_config.patch(fallback_random=True):
+        with settings(gm):
             return inductor.compile_fx_forward(
                 decomposed(gm, example_inputs), example_inputs, num_orig_model_outputs=num_user_outputs,
                 num_example_inputs=len(example_inputs), compiler_config_extra=extra,
             )
 
     def bw_compiler(gm, example_inputs):
-        with inductor_config.patch(fallback_random=True):
+        with settings(gm):
             return inductor.compile_fx_backward(decomposed(gm, example_inputs), example_inputs,
                                                 compiler_config_extra=extra)
 
