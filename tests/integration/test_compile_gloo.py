@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import datetime
 import os
+import time
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 257  # the vocab-parallel head's last shard is narrower (padded)
 
 
-def _gpt2(layers: int = 2, dropout: float = 0.0):
+def _gpt2(layers: int = 1, dropout: float = 0.0):  # one block: inductor's compile time grows with the graph
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=layers, n_embd=64, n_head=8, vocab_size=VOCAB, n_positions=64,
                                      attn_implementation="eager", resid_pdrop=dropout, embd_pdrop=dropout,
@@ -141,12 +142,12 @@ def _worker(rank: int, world: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
     try:
-        import time
         for case in (_recompute_compiled_with_inductor, _pipeline_stages_compiled_with_inductor,
                      _torch_compile_trains_from_loss_beside_dtensor_logits):
             t = time.perf_counter()
             case(world)
-            print(f"TIMING rank {rank} {case.__name__} {time.perf_counter() - t:.1f}s", flush=True)
+            if rank == 0 and os.environ.get("SPTRANSFORM_TEST_TIMES"):
+                print(f"{case.__name__}: {time.perf_counter() - t:.1f} s", flush=True)
         dist.barrier()  # no rank tears its connections down while another still uses them
     finally:
         dist.destroy_process_group()
