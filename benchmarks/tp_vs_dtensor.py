@@ -21,7 +21,12 @@ during one training step, split into forward / backward / optimizer. For sptrans
 counts read from its graph (``sptransform.runtime.explain.collective_counts``) are printed too.
 
     python benchmarks/tp_vs_dtensor.py [--layers 4 --hidden 256 --heads 8 --vocab 8192
-        --seq 256 --batch 4 --steps 8 --warmup 2] [--json out.json]
+        --seq 256 --batch 4 --steps 8 --warmup 2] [--compiled] [--json out.json]
+
+``--compiled`` adds compiled sides without sequence parallelism: ``torch.compile(pm)`` and
+``torch.compile`` of the DTensor-planned model (default inductor backend, both), and
+sptransform's ``recompute="selective"`` with ``compile="inductor"`` and ``"eager"``. Their first
+step (the compile) is a column of its own; their collectives are not counted.
 
 The launcher, the collective counter, the timing loop and the table are shared with
 ``tp_vs_hf_auto.py``, which imports them from here.
@@ -198,6 +203,9 @@ class Side:
     """Entered around forward and backward (DTensor's ``loss_parallel``)."""
     note: str = ""
     extra: dict = field(default_factory=dict)
+    count_collectives: bool = True
+    """False for compiled sides: their counted step runs outside the counting dispatch modes
+    (which would see the compiled graphs only partly); their rows show no collectives."""
 
 
 def scalar(loss: torch.Tensor) -> float:
@@ -219,8 +227,10 @@ class Trainer:
         self.losses: list[float] = []
         self.times: list[float] = []
         self.partial_grads = 0
+        self.first_s: float | None = None
 
     def step(self, *, counted: bool, timed: bool) -> None:
+        counted = counted and self.side.count_collectives
         side, mode = self.side, self.counter if counted else None
         dist.barrier()
         start = time.perf_counter()
@@ -236,6 +246,8 @@ class Trainer:
                 self.partial_grads = partial_grad_count(side.model)
             self.opt.step()
         self.losses.append(scalar(loss))
+        if self.first_s is None:  # with torch.compile: the compile
+            self.first_s = time.perf_counter() - start
         if timed:
             self.times.append(time.perf_counter() - start)
 
@@ -252,6 +264,7 @@ class Trainer:
             "collectives": self.counter.summary(),
             "comm_debug_mode_total": self.comm_debug.get_total_counts(),
             "partial_grads": self.partial_grads,
+            "first_step_s": self.first_s,
             "note": self.side.note,
             **self.side.extra,
         }
@@ -396,17 +409,19 @@ def render_table(rows: list[list[str]], header: list[str]) -> str:
 
 def results_table(results: list[dict]) -> str:
     header = ["side", "first loss", "last loss", "step s (median)", "collectives/step (fwd | bwd | opt)", "total",
-              "MiB/step", "setup s"]
+              "MiB/step", "setup s", "1st step s"]
     rows = []
     for r in results:
         if "error" in r:
-            rows.append([r["side"], "failed", "-", "-", r["error"][:60], "-", "-", "-"])
+            rows.append([r["side"], "failed", "-", "-", r["error"][:60], "-", "-", "-", "-"])
             continue
         c = r["collectives"]
-        phases = " | ".join(_fmt_counts(c["by_phase"].get(p, {})) for p in PHASES)
+        phases = " | ".join(_fmt_counts(c["by_phase"].get(p, {})) for p in PHASES) if c["total"]["count"] else \
+            "not counted (compiled)"
         rows.append([
             r["side"], f"{r['first_loss']:.6f}", f"{r['last_loss']:.6f}", f"{r['step_s']:.3f}",
             phases, str(c["total"]["count"]), f"{c['total']['bytes'] / 2**20:.2f}", f"{r['setup_s']:.1f}",
+            f"{r['first_step_s']:.1f}",
         ])
     return render_table(rows, header)
 
@@ -653,13 +668,48 @@ def dtensor_worker(args: argparse.Namespace) -> dict:
         make.side_name = f"DTensor sp={sp}"
         return make
 
+    def ours_compiled(how: str):
+        """sp=False, compiled: ``torch.compile(pm)`` (default inductor backend) or
+        ``recompute="selective"`` with the partitioned graphs compiled by ``compile=how``."""
+        name = "sptransform sp=False torch.compile(pm)" if how == "torch.compile" else \
+            f'sptransform sp=False recompute=selective compile="{how}"'
+
+        def make() -> Side:
+            inputs = {"input_ids": ids, "labels": labels, "use_cache": False}
+            if how == "torch.compile":
+                pm = sptransform.parallelize(copy.deepcopy(base), tp=args.tp, example_inputs=inputs)
+                compiled = torch.compile(pm)
+                return Side(name, pm, lambda m: hf_loss(compiled), note="unmodified HF GPT-2", count_collectives=False)
+            pm = sptransform.parallelize(copy.deepcopy(base), tp=args.tp, example_inputs=inputs,
+                                         recompute="selective", compile=how)
+            return Side(name, pm, hf_loss, note="unmodified HF GPT-2", count_collectives=False)
+        make.side_name = name
+        return make
+
+    def theirs_compiled():
+        name = "DTensor sp=False torch.compile"
+
+        def make() -> Side:
+            model = dtensor_gpt2(copy.deepcopy(edited), args.tp, False)
+            compiled = torch.compile(model)
+            return Side(name, model, lambda m: hf_loss(compiled), context=loss_parallel,
+                        note="Conv1D->nn.Linear, c_attn->q/k/v, attn.split_size=hidden/tp", count_collectives=False,
+                        extra={"replicated_params": replicated_dtensor_params(model)})
+        make.side_name = name
+        return make
+
     makers = [ours(True), ours(True, check_inputs=False), theirs(True), ours(False), theirs(False)]
+    if args.compiled:
+        makers += [ours_compiled("torch.compile"), theirs_compiled(), ours_compiled("inductor"), ours_compiled("eager")]
     results = run_sides(makers, steps=args.steps, warmup=args.warmup, lr=args.lr)
     return {"config": vars(args), "single_device_loss": reference, "results": results}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    parser.add_argument("--compiled", action="store_true",
+                        help="also the compiled sides (sp=False): torch.compile(pm), torch.compile of the DTensor "
+                             "plan, and recompute='selective' with compile='inductor' and 'eager'")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     result = launch(dtensor_worker, args)
@@ -668,7 +718,8 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"single-device first loss: {ref['original']:.6f} (HF GPT-2 as is), {ref['linear_edit']:.6f} "
         "(Conv1D->Linear edit the DTensor side needs)",
-        *ratio_lines(result["results"], [("sptransform sp=True", "DTensor sp=True"), ("sptransform sp=False", "DTensor sp=False")]),
+        *ratio_lines(result["results"], [("sptransform sp=True", "DTensor sp=True"), ("sptransform sp=False", "DTensor sp=False")]
+                     + ([("sptransform sp=False torch.compile(pm)", "DTensor sp=False torch.compile")] if args.compiled else [])),
         *input_check_lines(result["results"]),
         "gradient sync of replicated params:",
         *("  " + l for l in grad_sync_lines(result["results"])),

@@ -45,6 +45,7 @@ def parallelize(
     graph_cache_size: int = DEFAULT_GRAPH_CACHE_SIZE,
     dp: int = 1,
     zero: int = 0,
+    compile: Literal["inductor", "eager"] = "inductor",
 ) -> "nn.Module":
     """Turn an unmodified single-device ``model`` into one that trains across ``tp`` ranks
     with Megatron tensor parallelism (and sequence parallelism when ``sp``).
@@ -67,7 +68,11 @@ def parallelize(
     partitions the parallel graph's forward and backward with ``sptransform.passes.remat``
     (compiled on the first call of each input shape; real ranks only: AOTAutograd cannot
     trace LocalTensorMode's simulated ranks); with ``pp`` each pipeline stage is
-    partitioned on its first forward.
+    partitioned on its first forward. ``compile`` chooses how those partitioned graphs are
+    compiled: ``"inductor"`` (default: fused kernels, the partition unchanged) or ``"eager"``
+    (op by op, for debugging); it is not used with ``recompute="none"``, where
+    ``torch.compile(model)`` compiles the returned module (the input checks and graph selection
+    run eagerly around the compiled graph).
 
     Pipeline parallelism (``pp``, ``schedule``, ``n_microbatches``, ``stages_per_rank``;
     see ``sptransform.pipeline.module``): with ``pp > 1`` returns a model trained by
@@ -99,7 +104,8 @@ def parallelize(
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallelize expects an nn.Module, got {type(model).__name__}")
     options = ParallelOptions(tp=tp, sp=sp, dropout_rng=dropout_rng, seed=seed, recompute=recompute,
-                              check_inputs=check_inputs, graph_cache_size=graph_cache_size, dp=dp, zero=zero)
+                              check_inputs=check_inputs, graph_cache_size=graph_cache_size, dp=dp, zero=zero,
+                              compile=compile)
     _check_mesh(mesh)
     pipeline = _pipeline_options(options, pp, schedule, n_microbatches, stages_per_rank, stored_microbatches)
     device = device_of(model)

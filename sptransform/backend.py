@@ -2,11 +2,14 @@
 
     model = torch.compile(model, backend="sptransform", options={"policy": "selective"})
     model = torch.compile(model, backend="sptransform", options={"policy": "budget", "budget": 0.5})
+    model = torch.compile(model, backend="sptransform", options={"policy": "full", "compile": "eager"})
 
 Registered through the ``torch_dynamo_backends`` entry point (``pyproject.toml``).
-``options`` are the fields of ``sptransform.passes.remat.RematOptions``. The
-forward and backward graphs run as ATen graphs (no code generation); the partition
-is the same one ``sptransform memory`` measures.
+``options`` are the fields of ``sptransform.options.RematOptions``, plus ``"compile"``:
+``"inductor"`` (default) generates fused kernels for the partitioned forward and backward
+graphs, ``"eager"`` runs them as ATen graphs op by op (for debugging). Either way the
+partition is the one ``sptransform memory`` measures: inductor compiles the two graphs it is
+given and does not partition again.
 """
 
 from __future__ import annotations
@@ -17,34 +20,45 @@ import logging
 import torch
 import torch.fx as fx
 
-from sptransform.options import RematOptions
+from sptransform.options import GRAPH_COMPILERS, RematOptions, check_graph_compiler
 from sptransform.passes.remat import remat_partition
 from sptransform.torch_internals import dynamo_static_input
 from sptransform.transform import aot_compile, state_count
 
 log = logging.getLogger(__name__)
 
-_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(RematOptions))
+_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(RematOptions)) + ("compile",)
+DEFAULT_COMPILE = "inductor"
 
 
 def backend_options(options: dict | None = None, **overrides) -> RematOptions:
     """``RematOptions`` from a torch.compile ``options`` dict; unknown keys are an error."""
+    return _parse(options, **overrides)[0]
+
+
+def _parse(options: dict | None = None, **overrides) -> tuple[RematOptions, str]:
     merged = {**(options or {}), **overrides}
     unknown = sorted(set(merged) - set(_OPTION_NAMES))
     if unknown:
         raise ValueError(f"unknown sptransform backend option(s) {unknown}; valid options are {list(_OPTION_NAMES)}")
-    return RematOptions(**merged)
+    compile = merged.pop("compile", DEFAULT_COMPILE)
+    check_graph_compiler(compile)
+    return RematOptions(**merged), compile
 
 
 def sptransform_backend(gm: fx.GraphModule, example_inputs: list, options: dict | None = None, **overrides):
-    """A dynamo backend: partition ``gm``'s joint graph with ``RematOptions(**options)``."""
-    remat = backend_options(options, **overrides)
+    """A dynamo backend: partition ``gm``'s joint graph with ``RematOptions(**options)`` and
+    compile the forward and backward with ``options["compile"]`` (one of ``GRAPH_COMPILERS``)."""
+    remat, compile = _parse(options, **overrides)
     # Dynamo lifts parameters and buffers to graph inputs and marks them static; the
     # partition treats them as state (never activations, never recomputed).
     own = state_count(gm)  # AOTAutograd lifts gm's own parameters/buffers in front of the inputs
     state = list(range(own)) + [own + i for i, x in enumerate(example_inputs) if _is_state(x)]
-    return aot_compile(gm, example_inputs, partition_fn=remat_partition(remat, state_indices=state))
+    return aot_compile(gm, example_inputs, partition_fn=remat_partition(remat, state_indices=state), compile=compile)
 
 
 def _is_state(x) -> bool:
     return isinstance(x, torch.nn.Parameter) or (isinstance(x, torch.Tensor) and dynamo_static_input(x))
+
+
+__all__ = ["GRAPH_COMPILERS", "backend_options", "sptransform_backend"]

@@ -32,6 +32,12 @@ schedules that run several stages per rank."""
 DropoutRng = Literal["independent", "reference"]
 ZeroStage = Literal[0, 3]
 
+GraphCompiler = Literal["eager", "inductor"]
+"""How sptransform compiles the forward and backward graphs it partitions itself (``recompute``,
+the ``sptransform`` torch.compile backend): ``"inductor"`` generates fused kernels, ``"eager"``
+runs the ATen graphs op by op."""
+GRAPH_COMPILERS: tuple[GraphCompiler, ...] = get_args(GraphCompiler)
+
 
 def _check_int(name: str, value, *, minimum: int, maximum: int | None = None, fix: str = "") -> None:
     """An int (not a bool) in ``[minimum, maximum)``; the error names the value, the rule and ``fix``."""
@@ -45,6 +51,16 @@ def _check_int(name: str, value, *, minimum: int, maximum: int | None = None, fi
 def _check_bool(name: str, value) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+
+
+def check_graph_compiler(compile) -> None:
+    """``compile`` (of ``parallelize``, ``ParallelOptions`` and the backend's options) is one of
+    ``GRAPH_COMPILERS``; the error names the value, the rule and the fix."""
+    if not isinstance(compile, str) or compile not in GRAPH_COMPILERS:
+        raise ValueError(
+            f"compile={compile!r} must be one of {list(GRAPH_COMPILERS)}: use 'inductor' (fused kernels, "
+            "the default) or 'eager' (the partitioned ATen graphs run op by op, for debugging)"
+        )
 
 
 SEED_LIMIT = 2**63
@@ -115,6 +131,13 @@ class ParallelOptions:
     """0: parameters, gradients and optimizer state replicated over the data-parallel ranks;
     3: all three split into 1/dp pieces, each layer's parameters gathered when it runs and
     gathered again for its backward (ZeRO stage 3, as graph passes)."""
+    compile: GraphCompiler = "inductor"
+    """How the forward and backward graphs that ``recompute`` partitions (of the module, or of each
+    pipeline stage) are compiled: ``"inductor"`` (default) generates fused kernels (C++/OpenMP on
+    CPU, Triton on GPU) for both, with the rematerialisation partition unchanged; ``"eager"`` runs
+    them op by op, for debugging (and where no C++ compiler / Triton is available). Compiled on the
+    first call of each input signature. With ``recompute="none"`` nothing is partitioned and this
+    is not used: ``torch.compile(pm)`` compiles such a module."""
 
     def __post_init__(self) -> None:
         _check_int("tp", self.tp, minimum=1)
@@ -135,6 +158,7 @@ class ParallelOptions:
         _check_bool("check_inputs", self.check_inputs)
         _check_int("graph_cache_size", self.graph_cache_size, minimum=1,
                    fix="the number of input signatures whose graphs are kept (default 8)")
+        check_graph_compiler(self.compile)
 
     @property
     def remat(self) -> "RematOptions | None":

@@ -12,6 +12,7 @@ No other module of sptransform imports a private torch name (``torch._*`` module
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 
@@ -198,6 +199,62 @@ def plain_dtensor(dtensor):
     return _DTensor(dtensor._local_tensor, dtensor._spec, requires_grad=dtensor.requires_grad)
 
 
+_RNG_REPLAY = (run_and_save_rng_state, run_with_rng_state)
+
+
+def inductor_graph_compilers(num_user_outputs: int, model=None):
+    """Inductor's compilers for a forward and a backward graph partitioned by someone else:
+    ``(fw_compiler, bw_compiler)`` for AOTAutograd, what ``compile_fx`` builds around its own
+    partitioner (``compile_fx_forward`` / ``compile_fx_backward`` sharing one
+    ``CompilerConfigExtra``: inductor's post-grad passes, codegen, cudagraph bookkeeping).
+    Each graph is first re-traced with inductor's decomposition table: the joint graph was
+    traced without it, so that the partition reads the model's own ops (``native_layer_norm``,
+    ``_softmax``, SDPA), and re-tracing a partitioned graph keeps its inputs and outputs, so the
+    saved tensors stay the partition's. ``num_user_outputs``: the forward outputs that are the
+    module's own (the rest are saved tensors). Public replacement: none (``torch.compile`` takes
+    a partitioner only as inductor's ``config.custom_partitioner_fn``, which partitions the
+    joint graph after inductor's decompositions and joint-graph passes)."""
+    from torch._inductor import compile_fx as inductor
+    from torch._inductor import config as inductor_config
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    extra = inductor.create_compiler_config_extra(model)
+
+    def decomposed(gm, example_inputs):
+        # under the inputs' fake mode, so that constants a decomposition makes are fake too
+        mode = detect_fake_mode(example_inputs)
+        with mode if mode is not None else contextlib.nullcontext():
+            return make_fx(gm, decomposition_table=select_decomp_table())(*example_inputs)
+
+    # fallback_random: the random ops (dropout masks, drawn from the generators that
+    # ``passes.dropout`` and the remat replay set) run as ATen's, so the masks are eager's;
+    # inductor's own RNG would draw others (and its lowering expects the joint-graph pass that
+    # replaces them, which a graph partitioned outside inductor has not been through).
+    # No reordering where the remat replays RNG: the post-grad locality pass keeps random
+    # OpOverloads in order but moves the higher-order run_and_save_rng_state/run_with_rng_state
+    # past them, and so does the scheduler's peak-memory pass, which changes the draws each
+    # dropout gets (seen on HF GPT-2 with recompute="selective").
+    def settings(gm):
+        if any(n.op == "call_function" and n.target in _RNG_REPLAY for n in gm.graph.nodes):
+            return inductor_config.patch(fallback_random=True, reorder_for_locality=False, reorder_for_peak_memory=False)
+        return inductor_config.patch(fallback_random=True)
+
+    def fw_compiler(gm, example_inputs):
+        with settings(gm):
+            return inductor.compile_fx_forward(
+                decomposed(gm, example_inputs), example_inputs, num_orig_model_outputs=num_user_outputs,
+                num_example_inputs=len(example_inputs), compiler_config_extra=extra,
+            )
+
+    def bw_compiler(gm, example_inputs):
+        with settings(gm):
+            return inductor.compile_fx_backward(decomposed(gm, example_inputs), example_inputs,
+                                                compiler_config_extra=extra)
+
+    return fw_compiler, bw_compiler
+
+
 def stage_forward_cache(stage) -> dict:
     """``PipelineStage.fwd_cache``: the outputs a stage keeps until that microbatch's backward,
     which ``_FreeingStage`` releases early. Public replacement: none."""
@@ -212,7 +269,8 @@ __all__ = [
     "FakeStore", "FakeTensor", "FakeTensorMode", "LocalTensor", "LocalTensorMode", "StorageWeakRef", "StridedShard",
     "TESTED_TORCH", "aot_module_simplified", "default_partition", "detect_fake_mode", "dtensor_as", "dynamo_static_input",
     "funcol", "plain_dtensor",
-    "functorch_config", "generate_stage_to_rank_mapping", "get_schedule_ops", "local_tensor_mode", "local_values",
+    "functorch_config", "generate_stage_to_rank_mapping", "get_schedule_ops", "inductor_graph_compilers", "local_tensor_mode",
+    "local_values",
     "make_boxed_func",
     "maybe_disable_local_tensor_mode", "min_cut_rematerialization_partition", "partitioners", "pytree",
     "resolve_process_group", "run_and_save_rng_state", "run_with_rng_state", "stage_forward_cache", "tensor_map",

@@ -12,7 +12,8 @@ Every path (``parallelize``'s module, its pipeline stages, ``sptransform memory`
     dropout                      passes.dropout                 rank-aware masks
     [data parallel]              passes.data_parallel           dp > 1: gradient averaging / ZeRO-3 gathers
     [pipeline split]             pipeline.plan                  pp > 1: stages at layer boundaries
-    [remat partition, compile]   passes.remat + aot_compile     recompute != "none": AOTAutograd
+    [remat partition, compile]   passes.remat + aot_compile     recompute != "none": AOTAutograd, then
+                                                                 inductor (compile="inductor") or eager
 
 Sequence parallelism is not a pass of its own: it is how the propagation reduces the partial
 sums leaving a block (a reduce-scatter to the sequence split instead of an all-reduce).
@@ -38,7 +39,7 @@ from sptransform.graph.analysis import analyze, constant_nodes, parameter_placem
 from sptransform.graph.gradients import gradient_plan
 from sptransform.graph.plan import ParallelGraph, ParallelPlan
 from sptransform.graph.propagate import SequenceSplit, propagate
-from sptransform.options import ParallelOptions, PipelineOptions, RematOptions
+from sptransform.options import GRAPH_COMPILERS, GraphCompiler, ParallelOptions, PipelineOptions, RematOptions
 from sptransform.passes.canonicalize import remove_dead_code, repeat_grouped_kv, split_bias
 from sptransform.passes.data_parallel import DataParallelPlan, data_parallel, zero_dim
 from sptransform.passes.dropout import shard_dropout
@@ -49,7 +50,9 @@ from sptransform.pipeline.plan import plan_pipeline as _plan_pipeline
 from sptransform.pipeline.plan import resplit_pipeline
 from sptransform.runtime.collectives import _resolve
 from sptransform.runtime.rng import RankGenerators
-from sptransform.torch_internals import aot_module_simplified, local_tensor_mode, make_boxed_func, maybe_disable_local_tensor_mode
+from sptransform.torch_internals import (
+    aot_module_simplified, inductor_graph_compilers, local_tensor_mode, make_boxed_func, maybe_disable_local_tensor_mode, pytree,
+)
 
 log = logging.getLogger(__name__)
 
@@ -177,13 +180,36 @@ def eager_compiler(gm: fx.GraphModule, _example_inputs):
     return make_boxed_func(gm.forward)
 
 
+def graph_compilers(compile: GraphCompiler, num_user_outputs: int, module: torch.nn.Module | None = None):
+    """The forward and backward compilers AOTAutograd hands the partitioned graphs to:
+    ``"eager"`` runs them op by op; ``"inductor"`` decomposes each with inductor's table and
+    generates fused kernels (C++ on CPU, Triton on GPU). Either way the graphs are the
+    partition's: inductor compiles them as given and does not partition again."""
+    if compile == "eager":
+        return eager_compiler, eager_compiler
+    if compile == "inductor":
+        return inductor_graph_compilers(num_user_outputs, module if isinstance(module, fx.GraphModule) else None)
+    raise ValueError(f"compile={compile!r}: use one of {list(GRAPH_COMPILERS)}")
+
+
 def aot_compile(module: torch.nn.Module, tensor_inputs: Sequence[torch.Tensor], *, partition_fn,
-                compiler=eager_compiler) -> Callable:
+                compile: GraphCompiler = "eager") -> Callable:
     """The one AOTAutograd entry: ``module``'s joint graph, split by ``partition_fn``, with the
-    forward and backward compiled by ``compiler``. AOTAutograd lifts ``module``'s own
-    parameters and buffers in front of ``tensor_inputs`` (``state_count``)."""
-    return aot_module_simplified(module, list(tensor_inputs), fw_compiler=compiler, bw_compiler=compiler,
+    forward and backward compiled by ``compile`` (``graph_compilers``). AOTAutograd lifts
+    ``module``'s own parameters and buffers in front of ``tensor_inputs`` (``state_count``).
+    The joint graph is traced without decompositions (the partition reads the model's own
+    ops); inductor decomposes each partitioned graph itself."""
+    fw_compiler, bw_compiler = graph_compilers(compile, _num_outputs(module), module)
+    return aot_module_simplified(module, list(tensor_inputs), fw_compiler=fw_compiler, bw_compiler=bw_compiler,
                                  partition_fn=partition_fn)
+
+
+def _num_outputs(module: torch.nn.Module) -> int:
+    """How many outputs an FX module returns (1 for any other module: only read for output strides)."""
+    if not isinstance(module, fx.GraphModule):
+        return 1
+    output = next(iter(module.graph.find_nodes(op="output")))
+    return len(pytree.tree_leaves(output.args[0]))
 
 
 def state_count(module: torch.nn.Module) -> int:
@@ -193,13 +219,15 @@ def state_count(module: torch.nn.Module) -> int:
     )
 
 
-def compile_with_remat(gm: fx.GraphModule, inputs: list, remat: RematOptions, state_positions: Sequence[int]):
+def compile_with_remat(gm: fx.GraphModule, inputs: list, remat: RematOptions, state_positions: Sequence[int],
+                       compile: GraphCompiler = "eager"):
     """AOTAutograd over a captured graph with the rematerialisation partition of ``remat``.
 
     Non-tensor inputs (flags such as ``use_cache``) are baked in as constants first;
     the parameters/buffers (``gm``'s own index tables, then the inputs at
     ``state_positions``) are state, never activations. Returns a function of the
-    tensor inputs, in order, that returns a tuple (also when ``gm`` returns one tensor)."""
+    tensor inputs, in order, that returns a tuple (also when ``gm`` returns one tensor);
+    ``compile`` chooses the forward/backward compiler (``graph_compilers``)."""
     gm = copy.deepcopy(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     tensor_index: dict[int, int] = {}
@@ -216,7 +244,7 @@ def compile_with_remat(gm: fx.GraphModule, inputs: list, remat: RematOptions, st
     own = state_count(gm)
     state = list(range(own)) + [own + tensor_index[p] for p in state_positions if p in tensor_index]
     tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
-    return aot_compile(gm, tensors, partition_fn=remat_partition(remat, state_indices=state))
+    return aot_compile(gm, tensors, partition_fn=remat_partition(remat, state_indices=state), compile=compile)
 
 
 @dataclass
@@ -261,4 +289,4 @@ class GraphFactory:
         remat = self.options.remat
         if remat is None:
             raise ValueError("compile() partitions by a recompute policy, and recompute='none'")
-        return compile_with_remat(gm, inputs, remat, state_positions)
+        return compile_with_remat(gm, inputs, remat, state_positions, compile=self.options.compile)

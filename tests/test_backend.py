@@ -7,6 +7,7 @@ from importlib.metadata import entry_points
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from examples.nanogpt import GPT, GPTConfig
 from sptransform.backend import backend_options
@@ -36,14 +37,15 @@ def _train_step(model, idx, seed):
     {"policy": "blocks", "blocks": ("attention", "mlp")},
 ])
 def test_compiled_model_matches_eager(options):
+    """The partition of each policy (run op by op: ``compile="eager"``; codegen is tested below)."""
+    options = {**options, "compile": "eager"}
+    counters.clear()
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=32, vocab_size=64, n_layer=2, n_head=2, n_embd=32, dropout=0.1))
     idx = torch.randint(0, 64, (2, 16))
     eager = copy.deepcopy(model)
     compiled_model = copy.deepcopy(model)
-    backend = "sptransform" if "sptransform" in torch._dynamo.list_backends(exclude_tags=()) else \
-        __import__("sptransform.backend", fromlist=["x"]).sptransform_backend
-    compiled = torch.compile(compiled_model, backend=backend, options=options, fullgraph=True)
+    compiled = torch.compile(compiled_model, backend=_backend(), options=options, fullgraph=True)
     torch._dynamo.reset()
     expected = _train_step(eager, idx, seed=3)
     got = _train_step(compiled, idx, seed=3)
@@ -51,6 +53,50 @@ def test_compiled_model_matches_eager(options):
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     for (name, a), b in zip(eager.named_parameters(), compiled_model.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert not counters["inductor"], dict(counters["inductor"])  # compile="eager": no code generated
+
+
+def _backend():
+    if "sptransform" in torch._dynamo.list_backends(exclude_tags=()):
+        return "sptransform"
+    from sptransform.backend import sptransform_backend
+
+    return sptransform_backend
+
+
+@pytest.mark.slow
+def test_default_backend_generates_inductor_code_and_trains_hf_gpt2_like_eager():
+    """No ``compile`` option: inductor compiles the partitioned forward and backward (each asks
+    its FX graph cache once), and HF GPT-2 with dropout gets eager's loss and every gradient
+    within fp32 tolerance (the random ops fall back to ATen, so the masks are eager's)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=101, n_positions=32,
+                                     attn_implementation="eager", resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    model = transformers.GPT2LMHeadModel(config).train()
+    model.loss_type = "ForCausalLM"  # unset, HF warns (a logging call, a graph break) in the traced forward
+    ids = torch.randint(0, 101, (2, 16))
+    eager, compiled_model = copy.deepcopy(model), copy.deepcopy(model)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(compiled_model, backend=_backend(), options={"policy": "selective"}, fullgraph=True)
+    losses = []
+    for m in (eager, compiled):
+        torch.manual_seed(3)
+        loss = m(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    for (name, a), (_, b) in zip(eager.named_parameters(), compiled_model.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5, msg=name)
+    seen = counters["inductor"]
+    assert seen["fxgraph_cache_miss"] + seen["fxgraph_cache_hit"] + seen["fxgraph_cache_bypass"] == 2, dict(seen)
+
+
+def test_compile_option_is_checked():
+    assert backend_options({"policy": "full", "compile": "eager"}).policy == "full"
+    with pytest.raises(ValueError, match=r"compile='triton' must be one of \['eager', 'inductor'\]: use 'inductor'"):
+        backend_options({"compile": "triton"})
 
 
 def test_unknown_backend_option_lists_the_valid_ones():

@@ -54,7 +54,7 @@ def _train(kind: str, *, dp: int, tp: int, pp: int, zero: int, recompute: str = 
     data = [torch.randint(0, VOCAB, (batch * dp, SEQ)) for _ in range(steps)]
     local = [ids[dp_rank * batch:(dp_rank + 1) * batch] for ids in data]
     extra = dict(pp=pp, n_microbatches=microbatches) if pp > 1 else {}
-    pm = sptransform.parallelize(model, tp=tp, dp=dp, zero=zero, recompute=recompute,
+    pm = sptransform.parallelize(model, tp=tp, dp=dp, zero=zero, recompute=recompute, compile="eager",
                                  example_inputs=dict(input_ids=local[0], labels=local[0]), **extra)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-4)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-4)

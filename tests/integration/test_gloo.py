@@ -142,7 +142,7 @@ def _recompute_policies_match_single_device(world: int) -> None:
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
     for policy in ("selective", "full", 0.5):
         pm = sptransform.parallelize(copy.deepcopy(model), tp=world, example_inputs=dict(input_ids=ids, labels=ids),
-                                     recompute=policy)
+                                     recompute=policy, compile="eager")  # the partition; inductor: test_compile_gloo
         loss = pm(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
