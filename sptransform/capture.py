@@ -21,7 +21,9 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.export.graph_signature import InputKind, OutputKind
 
-from sptransform.torch_internals import FakeTensor, FakeTensorMode, free_unbacked_symbols, pytree
+from sptransform.torch_internals import (
+    FakeTensor, FakeTensorMode, disable_current_modes, free_unbacked_symbols, maybe_disable_local_tensor_mode, pytree,
+)
 
 
 @dataclass
@@ -57,7 +59,9 @@ class FakeTemplate:
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
         self.device = device
         memo: dict[int, Any] = {}
-        with self.fake_mode:
+        # Plain fakes of one rank, also under simulated ranks (LocalTensorMode would wrap them
+        # in LocalTensors, which export accepts but functionalization does not).
+        with maybe_disable_local_tensor_mode(), self.fake_mode:
             for t in list(model.parameters()) + list(model.buffers()):
                 fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
                 memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
@@ -105,12 +109,18 @@ class FakeTemplate:
                 return fake.requires_grad_(x.requires_grad)
             return x
 
-        with self.fake_mode:
+        with maybe_disable_local_tensor_mode(), self.fake_mode:
             return pytree.tree_map(convert, (tuple(args), dict(kwargs)))
 
 
 def capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph:
-    """Trace ``template.module(*args, **kwargs)`` to an ATen graph; errors say why not."""
+    """Trace ``template.module(*args, **kwargs)`` to an ATen graph; errors say why not. One
+    rank's graph, also under simulated ranks: tracing never sees LocalTensors."""
+    with maybe_disable_local_tensor_mode():
+        return _capture(template, args, kwargs)
+
+
+def _capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph:
     fake_args, fake_kwargs = template.fake_inputs(args, kwargs)
     try:
         ep = torch.export.export(template.module, fake_args, fake_kwargs, strict=False)
@@ -121,6 +131,13 @@ def capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph:
             "The forward must be traceable without data-dependent control flow or graph "
             "breaks; see the README's 'Limits'."
         ) from err
+    if _hidden_writes(ep.graph_module):
+        # In-place writes read through another alias: functionalize (no decompositions), so
+        # that every read of a written value is an edge of the graph (``copy_`` into a slice of a
+        # buffer becomes ``slice_scatter``, and later readers read its result).
+        with disable_current_modes():  # a disabled LocalTensorMode still on the stack breaks functionalization
+            ep = ep.run_decompositions({})
+        _views_as_reshapes(ep.graph_module)
     signature = ep.graph_signature
     for spec in signature.output_specs:
         if spec.kind not in (OutputKind.USER_OUTPUT,):
@@ -160,6 +177,17 @@ def capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph:
         out_spec=ep.call_spec.out_spec,
         constants=constants,
     )
+
+
+def _views_as_reshapes(gm: fx.GraphModule) -> None:
+    """Functionalization turns ``reshape`` into ``view`` where the traced (fake) strides allowed
+    it, but a kernel may lay out its output otherwise at run time (SDPA's, then ``transpose``).
+    A functional graph never writes through a view, so a ``reshape`` means the same and copies
+    only when it must."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
+    gm.recompile()
 
 
 def _drop_export_asserts(gm: fx.GraphModule) -> None:
@@ -233,10 +261,23 @@ def _written_inputs(node: fx.Node) -> list[fx.Node]:
 
 
 def _refuse_hidden_writes(gm: fx.GraphModule) -> None:
+    """Refuse what ``_hidden_writes`` finds: after ``capture`` functionalized the graph, a
+    safety net (functionalization leaves none)."""
+    sites = _hidden_writes(gm)
+    if sites:
+        raise ValueError(
+            "the model's forward writes in place into a tensor that it then reads under another name; "
+            "sptransform follows dataflow and would miss the write (a parallel graph could read the value "
+            "from before it): write it out of place (torch.cat, torch.where, x = x * s) or read the result "
+            "of the in-place op. Writes:\n  " + "\n  ".join(sites)
+        )
+
+
+def _hidden_writes(gm: fx.GraphModule) -> list[str]:
     """An in-place write (``buf[..., :k].copy_(x)``, ``t.masked_fill_(...)``) whose result is
     read afterwards through another alias of the same storage (``buf`` itself, an earlier view)
     is invisible to dataflow: the analysis would place, cut or gather the unwritten value.
-    Reads through the in-place op's own result are dataflow and fine. Name every hidden read."""
+    Reads through the in-place op's own result are dataflow and fine. One line per such write."""
     from sptransform.graph.sharding import describe
 
     nodes = list(gm.graph.nodes)
@@ -265,13 +306,7 @@ def _refuse_hidden_writes(gm: fx.GraphModule) -> None:
             more = f" (and {len(readers) - 2} more)" if len(readers) > 2 else ""
             sites.append(f"{describe(write)}\n    is read afterwards, not through its result, by "
                          + "; ".join(describe(r) for r in readers[:2]) + more)
-    if sites:
-        raise ValueError(
-            "the model's forward writes in place into a tensor that it then reads under another name; "
-            "sptransform follows dataflow and would miss the write (a parallel graph could read the value "
-            "from before it): write it out of place (torch.cat, torch.where, x = x * s) or read the result "
-            "of the in-place op. Writes:\n  " + "\n  ".join(sites)
-        )
+    return sites
 
 
 # Functions of torch whose backward is the forward's own vector-Jacobian product (recomputation),

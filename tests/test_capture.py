@@ -7,7 +7,10 @@ import pytest
 import torch
 import torch.nn as nn
 
+
 from sptransform.capture import _refuse_hidden_writes
+
+aten = torch.ops.aten
 
 
 def _graph(fn, *args):
@@ -54,3 +57,42 @@ def test_reads_through_the_in_place_result_are_dataflow_and_pass():
 def test_a_view_taken_before_the_write_and_read_after_it_is_refused():
     with pytest.raises(ValueError, match=r"aten\.add_\.Tensor.*\n.*read afterwards.*aten\.mul\.Tensor"):
         _refuse_hidden_writes(_graph(_earlier_view, torch.randn(2, 4)))
+
+
+def test_capture_functionalizes_a_graph_with_hidden_writes_and_keeps_the_model_s_ops():
+    """``capture`` turns ``copy_`` into slices of a buffer into ``slice_scatter`` (every read of the
+    written value an edge of the graph), keeps linear / SDPA whole, and views become reshapes."""
+    import sys
+
+    from sptransform.capture import FakeTemplate, capture
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent / "models"))
+    import zoo
+
+    model, inputs = zoo.build("buffer_key")
+    graph = capture(FakeTemplate(model, torch.device("cpu")), inputs, {}).gm
+    targets = {n.target for n in graph.graph.nodes if n.op == "call_function"}
+    assert aten.slice_scatter.default in targets and aten.copy_.default not in targets
+    assert {aten.linear.default, aten.scaled_dot_product_attention.default} <= targets
+    assert aten.view.default not in targets
+    _refuse_hidden_writes(graph)  # the safety net finds nothing left
+
+
+def test_functional_copies_become_casts_or_broadcast_copies():
+    from sptransform.passes.canonicalize import functional_copies
+
+    class Copy(nn.Module):
+        def forward(self, dst, src, wide):
+            return torch.ops.aten.copy.default(dst, src), torch.ops.aten.copy.default(wide, src[:1].double())
+
+    dst, src, wide = torch.zeros(2, 3), torch.randn(2, 3), torch.zeros(4, 3)
+    gm = _graph(lambda *a: Copy()(*a), dst, src, wide)
+    assert functional_copies(gm) == 2
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert aten.copy.default not in targets and aten.expand.default in targets
+    first, second = gm(dst, src, wide)
+    torch.testing.assert_close(first, src)
+    torch.testing.assert_close(second, src[:1].expand(4, 3))
+    src.requires_grad_()
+    gm(dst, src, wide)[0].sum().backward()  # functional copy has no autograd formula; these do
+    torch.testing.assert_close(src.grad, torch.ones(2, 3))

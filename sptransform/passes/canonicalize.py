@@ -19,6 +19,14 @@ rank's query heads find theirs in a split of the repeated ones.
     before:  o = sdpa(q, k, v, enable_gqa=True)                      # q: 8 heads, k, v: 2
     after:   o = sdpa(q, repeat_interleave(k, 4, -3), repeat_interleave(v, 4, -3))
 
+``functional_copies``: the functional ``copy`` that functionalization leaves where a model
+wrote ``buf[...].copy_(x)`` has no autograd formula; it is ``x`` cast to ``buf``'s dtype and
+broadcast to its shape, which is what it becomes.
+
+    before:  c = copy(slice(buf, 3, 0, 8), x)
+    after:   c = _to_copy(x, dtype=buf.dtype)                      # same shape
+             c = clone(expand(x, buf.shape))                       # x broadcast
+
 All edit ``gm`` in place and keep ``node.meta["val"]`` on what they create.
 """
 
@@ -86,6 +94,33 @@ def repeat_grouped_kv(gm: fx.GraphModule, *, tp: int) -> int:
             repeated.append(r)
         node.args = (q, *repeated, *node.args[3:])
         node.kwargs = {key: val for key, val in node.kwargs.items() if key != "enable_gqa"}
+        changed += 1
+    if changed:
+        gm.recompile()
+    return changed
+
+
+def functional_copies(gm: fx.GraphModule) -> int:
+    """Rewrite functional ``aten.copy`` (no autograd formula) as a cast or a broadcast copy of
+    its source; returns how many changed."""
+    changed = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.copy.default:
+            continue
+        dst, src = node.args[:2]
+        want, have = dst.meta["val"], src.meta["val"]
+        with gm.graph.inserting_before(node):
+            value = src
+            if tuple(have.shape) != tuple(want.shape):
+                value = gm.graph.call_function(aten.expand.default, (value, list(want.shape)))
+                value.meta["val"] = have.expand(want.shape)
+            if have.dtype != want.dtype:
+                new = gm.graph.call_function(aten._to_copy.default, (value,), {"dtype": want.dtype})
+            else:
+                new = gm.graph.call_function(aten.clone.default, (value,))
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
         changed += 1
     if changed:
         gm.recompile()

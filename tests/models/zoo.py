@@ -1598,7 +1598,7 @@ ZOO: dict[str, Entry] = {
     "einsum_projections": Entry(EinsumProjectionLM, "no nn.Linear: raw Parameters [hidden, heads, d] contracted "
                                 "with einsum, F.embedding, F.rms_norm, vocabulary 257"),
     "buffer_key": Entry(BufferKeyLM, "key assembled in a new_empty buffer by copy_ into two slices and read "
-                        "through the buffer (DeepSeek MLA's expand_kv)"),
+                        "through the buffer (DeepSeek MLA's expand_kv), K/V from a normed latent"),
     "inplace_result": Entry(InPlaceResultLM, "in-place mul_, triu_, masked_fill_ read through their own results"),
 }
 
