@@ -430,6 +430,8 @@ def input_specs_for_output(node: fx.Node, spec: DimShard, tp: int) -> list[tuple
         if d is None:
             result.append((arg, None))
             continue
+        if not -len(shape_of(arg)) <= d < len(shape_of(arg)):  # a rule that does not fit this call
+            raise ShardingError(f"{describe(node)}: no dim of its input {arg.name} follows the split dim {spec.dim}")
         size = shape_of(arg)[d]
         if size == out[spec.dim]:
             result.append((arg, DimShard(d, spec.segments)))
