@@ -1492,12 +1492,14 @@ class InPlaceLM(nn.Module):
                                  for _ in range(n_layer))
         self.head = nn.Linear(d, vocab, bias=False)
 
-    def forward(self, idx, targets):
+    def forward(self, idx, targets=None):
         x = self.tok(idx)
         for i, (attn, mlp) in enumerate(zip(self.attn, self.mlp)):
             x = x + attn(self.norms[2 * i](x))
             x = x + mlp(self.norms[2 * i + 1](x))
         logits = self.head(x)
+        if targets is None:
+            return logits
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
 
