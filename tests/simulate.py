@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,24 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
+def spawn_with_deadline(fn, world: int, deadline_s: float, *args) -> None:
+    """``mp.spawn`` of ``fn(rank, world, port, *args)`` with a hard deadline: the test fails (and the
+    processes are killed) past it, so a hang never blocks the suite."""
+    import pytest
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=False, start_method="spawn")
+    end = time.monotonic() + deadline_s
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > end:
+                pytest.fail(f"{fn.__name__} did not finish within {deadline_s} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+
+
 def fake_group(world: int):
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -67,15 +67,12 @@ from sptransform.graph.nodes import (
     val,
 )
 
-from sptransform.passes.remat_rng import (  # noqa: F401  (re-exported: graphs and measure refer to them here)
-    generator_state,
-    run_with_generator_state,
-    replay_own_generators,
-    _fake_generator_state,
-    pytree_leaves,
-    _keeps_when_dead,
-    isolate_dropout_masks,
+from sptransform.passes.remat_rng import (
     compact_bernoulli_masks,
+    isolate_dropout_masks,
+    pytree_leaves,
+    replay_own_generators,
+    _keeps_when_dead,
 )
 
 log = logging.getLogger(__name__)

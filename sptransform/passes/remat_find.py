@@ -39,17 +39,6 @@ from sptransform.graph.nodes import (
     val,
 )
 
-from sptransform.passes.remat_rng import (  # noqa: F401  (re-exported: graphs and measure refer to them here)
-    generator_state,
-    run_with_generator_state,
-    replay_own_generators,
-    _fake_generator_state,
-    pytree_leaves,
-    _keeps_when_dead,
-    isolate_dropout_masks,
-    compact_bernoulli_masks,
-)
-
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 

@@ -14,27 +14,12 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from simulate import free_port
+from simulate import spawn_with_deadline as _spawn
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
 VOCAB = 97
-
-
-def _spawn(fn, world: int, deadline_s: float, *args) -> None:
-    """``mp.spawn`` with a hard deadline: the test fails (and the processes are killed) past it."""
-    context = mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=False, start_method="spawn")
-    end = time.monotonic() + deadline_s
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() > end:
-                pytest.fail(f"{fn.__name__} did not finish within {deadline_s} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
 
 
 def _init(rank: int, world: int, port: int, timeout_s: float) -> None:
