@@ -22,7 +22,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
 def spawn_with_deadline(fn, world: int, deadline_s: float, *args) -> None:
     """``mp.spawn`` of ``fn(rank, world, port, *args)`` with a hard deadline: the test fails (and the
     processes are killed) past it, so a hang never blocks the suite."""
@@ -41,6 +40,7 @@ def spawn_with_deadline(fn, world: int, deadline_s: float, *args) -> None:
                 process.kill()
 
 
+@contextlib.contextmanager
 def fake_group(world: int):
     if dist.is_initialized():
         dist.destroy_process_group()
