@@ -46,6 +46,7 @@ def parallelize(
     dp: int = 1,
     zero: int = 0,
     compile: Literal["inductor", "eager"] = "inductor",
+    overlap: bool = True,
 ) -> "nn.Module":
     """Turn an unmodified single-device ``model`` into one that trains across ``tp`` ranks
     with Megatron tensor parallelism (and sequence parallelism when ``sp``).
@@ -98,6 +99,12 @@ def parallelize(
     or ``(dp, pp, tp)`` over the whole process group, row-major: consecutive ranks form a
     tensor-parallel group, as in Megatron and torchtitan.
 
+    ``overlap`` (default True): gradient buckets (data-parallel, and replicated parameters'
+    partial gradients) are waited on where the gradient is first read, so their communication
+    runs behind the rest of the backward; the graphs ``recompute`` compiles issue every
+    collective as early and wait on it as late as dataflow allows (``passes.overlap``).
+    ``False`` waits on each collective at once.
+
     Every argument is validated here; a bad one is a ``TypeError``/``ValueError`` naming the
     value, the rule and the fix.
     """
@@ -105,7 +112,7 @@ def parallelize(
         raise TypeError(f"parallelize expects an nn.Module, got {type(model).__name__}")
     options = ParallelOptions(tp=tp, sp=sp, dropout_rng=dropout_rng, seed=seed, recompute=recompute,
                               check_inputs=check_inputs, graph_cache_size=graph_cache_size, dp=dp, zero=zero,
-                              compile=compile)
+                              compile=compile, overlap=overlap)
     _check_mesh(mesh)
     pipeline = _pipeline_options(options, pp, schedule, n_microbatches, stages_per_rank, stored_microbatches)
     device = device_of(model)

@@ -138,6 +138,13 @@ class ParallelOptions:
     them op by op, for debugging (and where no C++ compiler / Triton is available). Compiled on the
     first call of each input signature. With ``recompute="none"`` nothing is partitioned and this
     is not used: ``torch.compile(pm)`` compiles such a module."""
+    overlap: bool = True
+    """Overlap communication with computation: the gradient buckets' all-reduces and
+    reduce-scatters (data-parallel, and replicated parameters' partial gradients) are waited on
+    where a gradient is first read (the optimizer step, ``clip_grad_norm_``), not inside the
+    backward, and the graphs sptransform compiles itself (``recompute``) issue each collective as
+    early and wait on it as late as dataflow allows (``passes.overlap``). ``False`` waits on
+    each collective right after issuing it (for debugging, and to measure what overlap hides)."""
 
     def __post_init__(self) -> None:
         _check_int("tp", self.tp, minimum=1)
@@ -159,6 +166,7 @@ class ParallelOptions:
         _check_int("graph_cache_size", self.graph_cache_size, minimum=1,
                    fix="the number of input signatures whose graphs are kept (default 8)")
         check_graph_compiler(self.compile)
+        _check_bool("overlap", self.overlap)
 
     @property
     def remat(self) -> "RematOptions | None":

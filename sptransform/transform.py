@@ -14,6 +14,8 @@ Every path (``parallelize``'s module, its pipeline stages, ``sptransform memory`
     [pipeline split]             pipeline.plan                  pp > 1: stages at layer boundaries
     [remat partition, compile]   passes.remat + aot_compile     recompute != "none": AOTAutograd, then
                                                                  inductor (compile="inductor") or eager
+    [schedule collectives]       passes.overlap                 each partitioned graph (overlap=True):
+                                                                 issue collectives early, wait late
 
 Sequence parallelism is not a pass of its own: it is how the propagation reduces the partial
 sums leaving a block (a reduce-scatter to the sequence split instead of an all-reduce).
@@ -43,6 +45,7 @@ from sptransform.options import GRAPH_COMPILERS, GraphCompiler, ParallelOptions,
 from sptransform.passes.canonicalize import functional_copies, remove_dead_code, repeat_grouped_kv, split_bias
 from sptransform.passes.data_parallel import DataParallelPlan, data_parallel, zero_dim
 from sptransform.passes.dropout import shard_dropout
+from sptransform.passes.overlap import schedule_collectives
 from sptransform.passes.remat import remat_partition
 from sptransform.passes.tensor_parallel import add_rank_input, apply_placements
 from sptransform.pipeline.plan import PipelinePlan
@@ -105,7 +108,8 @@ def build_parallel_graph(
     # A real rank's graph may be specialized on its rank; one serving simulated ranks may not.
     static_rank = None if local_tensor_mode() is not None else _resolve(group).rank()
     plan = ParallelPlan(tp=tp, sp=options.sp, group=group, rank=add_rank_input(gm), static_rank=static_rank,
-                        placements=placements, seq_len=analysis.seq_len if options.sp else None)
+                        placements=placements, seq_len=analysis.seq_len if options.sp else None,
+                        overlap=options.overlap)
     if analysis.head is not None:
         plan.vocab = analysis.head.out_features
         plan.vocab_per_rank = -(-plan.vocab // tp)
@@ -158,7 +162,8 @@ def _add_data_parallel(graph: ParallelGraph, options: ParallelOptions, group: st
         local_shapes[name] = tuple(shape)
         dims[name] = zero_dim(tuple(shape), storage.dim if storage is not None else None, options.dp) \
             if options.zero == 3 else None
-    plan = DataParallelPlan(group=group, size=options.dp, zero=options.zero, dims=dims, local_shapes=local_shapes)
+    plan = DataParallelPlan(group=group, size=options.dp, zero=options.zero, dims=dims, local_shapes=local_shapes,
+                            overlap=options.overlap)
     _logged("data_parallel", gm, lambda: data_parallel(gm, trainable, plan, layer_rows))
     graph.data_parallel = plan
 
@@ -181,26 +186,40 @@ def eager_compiler(gm: fx.GraphModule, _example_inputs):
     return make_boxed_func(gm.forward)
 
 
-def graph_compilers(compile: GraphCompiler, num_user_outputs: int, module: torch.nn.Module | None = None):
+def graph_compilers(compile: GraphCompiler, num_user_outputs: int, module: torch.nn.Module | None = None, *,
+                    overlap: bool = True):
     """The forward and backward compilers AOTAutograd hands the partitioned graphs to:
     ``"eager"`` runs them op by op; ``"inductor"`` decomposes each with inductor's table and
     generates fused kernels (C++ on CPU, Triton on GPU). Either way the graphs are the
-    partition's: inductor compiles them as given and does not partition again."""
+    partition's: inductor compiles them as given and does not partition again. With
+    ``overlap``, each graph's collectives are first issued early and waited on late
+    (``passes.overlap.schedule_collectives``)."""
     if compile == "eager":
-        return eager_compiler, eager_compiler
-    if compile == "inductor":
-        return inductor_graph_compilers(num_user_outputs, module if isinstance(module, fx.GraphModule) else None)
-    raise ValueError(f"compile={compile!r}: use one of {list(GRAPH_COMPILERS)}")
+        compilers = eager_compiler, eager_compiler
+    elif compile == "inductor":
+        compilers = inductor_graph_compilers(num_user_outputs, module if isinstance(module, fx.GraphModule) else None)
+    else:
+        raise ValueError(f"compile={compile!r}: use one of {list(GRAPH_COMPILERS)}")
+    return tuple(_scheduled(c) for c in compilers) if overlap else compilers
+
+
+def _scheduled(compiler):
+    """``compiler`` after the overlap pass [schedule collectives]."""
+    def compile_graph(gm: fx.GraphModule, example_inputs):
+        _logged("schedule_collectives", gm, lambda: schedule_collectives(gm))
+        return compiler(gm, example_inputs)
+    return compile_graph
 
 
 def aot_compile(module: torch.nn.Module, tensor_inputs: Sequence[torch.Tensor], *, partition_fn,
-                compile: GraphCompiler = "eager") -> Callable:
+                compile: GraphCompiler = "eager", overlap: bool = True) -> Callable:
     """The one AOTAutograd entry: ``module``'s joint graph, split by ``partition_fn``, with the
     forward and backward compiled by ``compile`` (``graph_compilers``). AOTAutograd lifts
-    ``module``'s own parameters and buffers in front of ``tensor_inputs`` (``state_count``).
-    The joint graph is traced without decompositions (the partition reads the model's own
-    ops); inductor decomposes each partitioned graph itself."""
-    fw_compiler, bw_compiler = graph_compilers(compile, _num_outputs(module), module)
+    ``module``'s own parameters and buffers in front of ``tensor_inputs`` (``state_count``);
+    ``overlap`` runs the overlap pass on both partitioned graphs. The joint graph is traced
+    without decompositions (the partition reads the model's own ops); inductor decomposes each
+    partitioned graph itself."""
+    fw_compiler, bw_compiler = graph_compilers(compile, _num_outputs(module), module, overlap=overlap)
     return aot_module_simplified(module, list(tensor_inputs), fw_compiler=fw_compiler, bw_compiler=bw_compiler,
                                  partition_fn=partition_fn)
 
@@ -221,7 +240,7 @@ def state_count(module: torch.nn.Module) -> int:
 
 
 def compile_with_remat(gm: fx.GraphModule, inputs: list, remat: RematOptions, state_positions: Sequence[int],
-                       compile: GraphCompiler = "eager"):
+                       compile: GraphCompiler = "eager", overlap: bool = True):
     """AOTAutograd over a captured graph with the rematerialisation partition of ``remat``.
 
     Non-tensor inputs (flags such as ``use_cache``) are baked in as constants first;
@@ -245,7 +264,8 @@ def compile_with_remat(gm: fx.GraphModule, inputs: list, remat: RematOptions, st
     own = state_count(gm)
     state = list(range(own)) + [own + tensor_index[p] for p in state_positions if p in tensor_index]
     tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
-    return aot_compile(gm, tensors, partition_fn=remat_partition(remat, state_indices=state), compile=compile)
+    return aot_compile(gm, tensors, partition_fn=remat_partition(remat, state_indices=state), compile=compile,
+                       overlap=overlap)
 
 
 @dataclass
@@ -290,4 +310,5 @@ class GraphFactory:
         remat = self.options.remat
         if remat is None:
             raise ValueError("compile() partitions by a recompute policy, and recompute='none'")
-        return compile_with_remat(gm, inputs, remat, state_positions, compile=self.options.compile)
+        return compile_with_remat(gm, inputs, remat, state_positions, compile=self.options.compile,
+                                  overlap=self.options.overlap)

@@ -36,6 +36,8 @@ class ParallelPlan:
     linears: tuple[int, int] = (0, 0)
     """(linears whose weight is split over the ranks, linears in the graph)."""
     notes: list[str] = field(default_factory=list)
+    overlap: bool = True
+    """Replicated parameters' gradient buckets waited on where first read (``sync_grads``)."""
 
 
 @dataclass

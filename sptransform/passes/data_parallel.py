@@ -42,6 +42,8 @@ class DataParallelPlan:
     """ZeRO-3: parameter FQN -> the dim its pieces split (None: kept whole)."""
     local_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """Parameter FQN -> its tensor-parallel-local shape (what a gathered bucket rebuilds)."""
+    overlap: bool = True
+    """Gradients waited on where first read (the rest of the backward runs meanwhile)."""
 
 
 def data_parallel(gm: fx.GraphModule, params: dict[fx.Node, str], plan: DataParallelPlan,
@@ -67,9 +69,10 @@ def data_parallel(gm: fx.GraphModule, params: dict[fx.Node, str], plan: DataPara
                 names = [used[p] for p in members]
                 bucket = gm.graph.call_function(gather_params, (
                     plan.group, plan.size, [plan.dims[n] for n in names],
-                    [list(plan.local_shapes[n]) for n in names], *members))
+                    [list(plan.local_shapes[n]) for n in names], *members), {"overlap": plan.overlap})
             else:
-                bucket = gm.graph.call_function(average_grads, (plan.group, plan.size, *members))
+                bucket = gm.graph.call_function(average_grads, (plan.group, plan.size, *members),
+                                                {"overlap": plan.overlap})
             outs = []
             for i, p in enumerate(members):
                 out = gm.graph.call_function(operator.getitem, (bucket, i))

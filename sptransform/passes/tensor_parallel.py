@@ -396,7 +396,7 @@ def _bucket_parameters(gm: fx.GraphModule, partial: list[fx.Node], params: dict[
         first_user = min((u for p in members for u in p.users), key=lambda u: position[u])
         users = {p: list(p.users) for p in members}
         with gm.graph.inserting_before(first_user):
-            bucket = gm.graph.call_function(sync_grads, (plan.group, *members))
+            bucket = gm.graph.call_function(sync_grads, (plan.group, *members), {"overlap": plan.overlap})
             outs = []
             for i, p in enumerate(members):
                 out = gm.graph.call_function(operator.getitem, (bucket, i))

@@ -14,12 +14,14 @@ name                  forward              backward
 ``gather_output``     all-gather on dim    keep local slice
 ``sync_grads``        identity (bucket)    one all-reduce of all grads
 ``average_grads``     identity (bucket)    all-reduce / dp (data parallel)
-``gather_shards``     all-gather (ZeRO-3)  reduce-scatter / dp
 ====================  ===================  ===================
 
 Gradients of replicated tensors that feed sharded work arrive *partial* (each rank
 holds its shard's contribution); ``sync_grads`` sums them for parameters over the
-tensor-parallel group. The last two act on the data-parallel group.
+tensor-parallel group; ``average_grads`` acts on the data-parallel group (ZeRO-3's gathers
+are ``runtime.zero.gather_params``). The two gradient buckets take ``overlap``: their
+all-reduce is then waited on where a gradient is first read (the optimizer step), so it runs
+behind the rest of the backward, as DDP's buckets do.
 """
 
 from __future__ import annotations
@@ -36,6 +38,30 @@ def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
 
 
+def _all_reduce_later(x: torch.Tensor, group: str) -> torch.Tensor:
+    """An all-reduce waited on where its result is first read, not here: eagerly, torch's
+    ``AsyncCollectiveTensor`` (views of it stay unwaited; any other op waits); traced, a
+    ``wait_tensor`` node that the overlap pass moves to its first reader."""
+    return funcol.all_reduce(x.contiguous(), "sum", group)
+
+
+def _flat_bucket(grads, shapes) -> torch.Tensor:
+    """One flat tensor of a bucket's gradients (zeros for a parameter that got none)."""
+    like = next((g for g in grads if g is not None), None)
+    kind = {} if like is None else {"device": like.device, "dtype": like.dtype}
+    return torch.cat([(g if g is not None else torch.zeros(s, **kind)).reshape(-1) for g, s in zip(grads, shapes)])
+
+
+def _unflatten(flat: torch.Tensor, shapes) -> list[torch.Tensor]:
+    """Views of ``flat`` in ``shapes`` (views, so an unwaited result stays unwaited)."""
+    out, offset = [], 0
+    for s in shapes:
+        n = s.numel()
+        out.append(flat[offset: offset + n].view(s))
+        offset += n
+    return out
+
+
 def _all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     out = funcol.all_gather_single(x.contiguous(), dim, group)
     return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
@@ -44,6 +70,11 @@ def _all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
 def _reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     out = funcol.reduce_scatter_single(x.contiguous(), "sum", dim, group)
     return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+
+def _reduce_scatter_later(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    """A reduce-scatter waited on where its result is first read (see ``_all_reduce_later``)."""
+    return funcol.reduce_scatter_single(x.contiguous(), "sum", dim, group)
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -105,79 +136,42 @@ class _GatherOutput(torch.autograd.Function):
 
 class _SyncGrads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, group, *params):
-        ctx.group = group
+    def forward(ctx, group, overlap, *params):
+        ctx.group, ctx.overlap = group, overlap
         ctx.shapes = [p.shape for p in params]
         return tuple(p.view_as(p) for p in params)
 
     @staticmethod
     def backward(ctx, *grads):
-        flat = torch.cat(
-            [
-                (g if g is not None else torch.zeros(s)).reshape(-1)
-                for g, s in zip(grads, ctx.shapes)
-            ]
-        )
-        flat = _all_reduce(flat, ctx.group)
-        out, offset = [], 0
-        for s in ctx.shapes:
-            n = s.numel()
-            out.append(flat[offset : offset + n].view(s))
-            offset += n
-        return (None, *out)
+        flat = _flat_bucket(grads, ctx.shapes)
+        flat = _all_reduce_later(flat, ctx.group) if ctx.overlap else _all_reduce(flat, ctx.group)
+        return (None, None, *_unflatten(flat, ctx.shapes))
 
 
 class _AverageGrads(torch.autograd.Function):
     """Data parallelism, parameters replicated: identity forward; backward, the bucket's
-    gradients averaged over the data-parallel group in one all-reduce."""
+    gradients averaged over the data-parallel group in one all-reduce. Divided before the sum
+    so that, with ``overlap``, the result is the collective's own (waited on where it is read);
+    for a power-of-two group the two orders give the same bits."""
 
     @staticmethod
-    def forward(ctx, group, size, *params):
-        ctx.group, ctx.size = group, size
+    def forward(ctx, group, size, overlap, *params):
+        ctx.group, ctx.size, ctx.overlap = group, size, overlap
         ctx.shapes = [p.shape for p in params]
         return tuple(p.view_as(p) for p in params)
 
     @staticmethod
     def backward(ctx, *grads):
-        flat = torch.cat([(g if g is not None else torch.zeros(s, device=_device(grads))).reshape(-1)
-                          for g, s in zip(grads, ctx.shapes)])
-        flat = _all_reduce(flat, ctx.group) / ctx.size
-        out, offset = [], 0
-        for s in ctx.shapes:
-            n = s.numel()
-            out.append(flat[offset: offset + n].view(s))
-            offset += n
-        return (None, None, *out)
+        flat = _flat_bucket(grads, ctx.shapes) / ctx.size
+        flat = _all_reduce_later(flat, ctx.group) if ctx.overlap else _all_reduce(flat, ctx.group)
+        return (None, None, None, *_unflatten(flat, ctx.shapes))
 
 
-def _device(grads) -> torch.device:
-    return next(g.device for g in grads if g is not None)
-
-
-class _GatherShards(torch.autograd.Function):
-    """ZeRO-3: the bucket's flat local pieces all-gathered over the data-parallel group
-    (forward); backward, the full gradient reduce-scattered back to the pieces and averaged."""
-
-    @staticmethod
-    def forward(ctx, flat, group, size):
-        ctx.group, ctx.size = group, size
-        return _all_gather(flat, 0, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, 0, ctx.group) / ctx.size, None, None
-
-
-def average_grads(group: str, size: int, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def average_grads(group: str, size: int, *params: torch.Tensor, overlap: bool = False) -> tuple[torch.Tensor, ...]:
     """Identity on a bucket of parameters replicated over the data-parallel ranks; their
-    gradients are averaged over the ``size`` ranks of ``group`` in one all-reduce."""
-    return _AverageGrads.apply(group, size, *params)
-
-
-def gather_shards(flat: torch.Tensor, group: str, size: int) -> torch.Tensor:
-    """All-gather a flat bucket of parameter pieces over the ``size`` data-parallel ranks
-    (``[size * n]``); its backward reduce-scatters and averages the gradient."""
-    return _GatherShards.apply(flat, group, size)
+    gradients are averaged over the ``size`` ranks of ``group`` in one all-reduce (with
+    ``overlap``, waited on where each gradient is first read)."""
+    return _AverageGrads.apply(group, size, overlap, *params)
 
 
 def copy_to_tp(x: torch.Tensor, group: str) -> torch.Tensor:
@@ -205,11 +199,10 @@ def gather_output(x: torch.Tensor, dim: int, rank: torch.Tensor, group: str) -> 
     return _GatherOutput.apply(x, dim, rank, group)
 
 
-def sync_grads(group: str, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def sync_grads(group: str, *params: torch.Tensor, overlap: bool = False) -> tuple[torch.Tensor, ...]:
     """Identity on a bucket of replicated parameters; their partial gradients are summed
-    over the group in one all-reduce."""
-    return _SyncGrads.apply(group, *params)
+    over the group in one all-reduce (with ``overlap``, waited on where each is first read)."""
+    return _SyncGrads.apply(group, overlap, *params)
 
 
-COLLECTIVES = (copy_to_tp, reduce_from_tp, gather_seq, scatter_seq, gather_output, sync_grads, average_grads,
-               gather_shards)
+COLLECTIVES = (copy_to_tp, reduce_from_tp, gather_seq, scatter_seq, gather_output, sync_grads, average_grads)

@@ -19,7 +19,7 @@ from collections import OrderedDict
 
 import torch
 
-from sptransform.runtime.collectives import _all_gather, _reduce_scatter
+from sptransform.runtime.collectives import _all_gather, _reduce_scatter, _reduce_scatter_later
 from sptransform.torch_internals import StorageWeakRef
 
 _ACTIVE: list[dict] = []
@@ -54,8 +54,8 @@ def _rebuild(gathered: torch.Tensor, pieces, size: int, dims, shapes) -> list[to
 
 class _GatherParams(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, group, size, dims, shapes, *pieces):
-        ctx.group, ctx.size, ctx.dims, ctx.shapes = group, size, dims, shapes
+    def forward(ctx, group, size, dims, shapes, overlap, *pieces):
+        ctx.group, ctx.size, ctx.dims, ctx.shapes, ctx.overlap = group, size, dims, shapes, overlap
         ctx.piece_shapes = [p.shape for p in pieces]
         ctx.dtypes = [p.dtype for p in pieces]
         bucket = _Bucket(pieces, group, size, dims, shapes)
@@ -74,19 +74,23 @@ class _GatherParams(torch.autograd.Function):
             # [.., size * L, ..] -> [size, .., L, ..]: rank k's chunk first, then flattened
             split = grad.reshape(*shape[:dim], ctx.size, piece_shape[dim], *shape[dim + 1:]).movedim(dim, 0)
             pieces.append(split.reshape(ctx.size, -1))
-        flat = torch.cat(pieces, dim=1).reshape(-1)
-        local = _reduce_scatter(flat.contiguous(), 0, ctx.group) / ctx.size
+        # divided before the sum, so that with ``overlap`` the pieces are views of the collective's
+        # own (unwaited) result; for a power-of-two group the two orders give the same bits
+        flat = torch.cat(pieces, dim=1).reshape(-1) / ctx.size
+        local = (_reduce_scatter_later if ctx.overlap else _reduce_scatter)(flat, 0, ctx.group)
         out, offset = [], 0
         for piece_shape in ctx.piece_shapes:
             n = piece_shape.numel()
             out.append(local[offset: offset + n].view(piece_shape))
             offset += n
-        return (None, None, None, None, *out)
+        return (None, None, None, None, None, *out)
 
 
-def gather_params(group: str, size: int, dims: list[int], shapes: list[list[int]], *pieces: torch.Tensor):
-    """ZeRO-3: the full (tensor-parallel-local) parameters of one bucket, from this rank's pieces."""
-    return _GatherParams.apply(group, size, tuple(dims), tuple(tuple(s) for s in shapes), *pieces)
+def gather_params(group: str, size: int, dims: list[int], shapes: list[list[int]], *pieces: torch.Tensor,
+                  overlap: bool = False):
+    """ZeRO-3: the full (tensor-parallel-local) parameters of one bucket, from this rank's pieces;
+    their gradients reduce-scattered back (with ``overlap``, waited on where first read)."""
+    return _GatherParams.apply(group, size, tuple(dims), tuple(tuple(s) for s in shapes), overlap, *pieces)
 
 
 _REGATHER = object()

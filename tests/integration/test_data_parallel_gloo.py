@@ -1,7 +1,7 @@
 """Data parallelism on real gloo processes: dp x tp (4 ranks) and dp x pp x tp (8 ranks), ZeRO 0
-and 3, train like one device on the global batch (dp-averaged loss, every gradient, parameters
-after AdamW steps); ZeRO-3 holds 1/dp of the parameters, gradients and optimizer state, and
-keeps no gathered parameter for backward."""
+and 3, with and without overlap, train like one device on the global batch (dp-averaged loss,
+``clip_grad_norm_``, every gradient, parameters after AdamW steps); ZeRO-3 holds 1/dp of the
+parameters, gradients and optimizer state, and keeps no gathered parameter for backward."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from simulate import free_port
 
@@ -38,9 +39,10 @@ def _local_bytes(tensors) -> int:
 
 
 def _train(kind: str, *, dp: int, tp: int, pp: int, zero: int, recompute: str = "none", steps: int = 2,
-           checkpoint: str | None = None) -> dict:
+           checkpoint: str | None = None, overlap: bool = True, compile: str = "eager") -> dict:
     """Train the parallel model on this rank's slice of a global batch and the original on all of
-    it; assert they agree. Returns per-rank state bytes and what ZeRO-3 did not keep."""
+    it; assert they agree (with ``pp=1``, also ``clip_grad_norm_``'s norm and clipped gradients).
+    Returns per-rank state bytes and what ZeRO-3 did not keep."""
     import sptransform
     import sptransform.runtime.module as module_
     import sptransform.runtime.zero as zero_
@@ -55,8 +57,8 @@ def _train(kind: str, *, dp: int, tp: int, pp: int, zero: int, recompute: str = 
     data = [torch.randint(0, VOCAB, (batch * dp, SEQ)) for _ in range(steps)]
     local = [ids[dp_rank * batch:(dp_rank + 1) * batch] for ids in data]
     extra = dict(pp=pp, n_microbatches=microbatches) if pp > 1 else {}
-    pm = sptransform.parallelize(model, tp=tp, dp=dp, zero=zero, recompute=recompute, compile="eager",
-                                 example_inputs=dict(input_ids=local[0], labels=local[0]), **extra)
+    pm = sptransform.parallelize(model, tp=tp, dp=dp, zero=zero, recompute=recompute, compile=compile,
+                                 overlap=overlap, example_inputs=dict(input_ids=local[0], labels=local[0]), **extra)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-4)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-4)
     ref_params = dict(ref.named_parameters())
@@ -83,6 +85,13 @@ def _train(kind: str, *, dp: int, tp: int, pp: int, zero: int, recompute: str = 
             mean = loss.detach().clone()
             dist.all_reduce(mean)  # every rank of a data-parallel replica holds that replica's loss
             torch.testing.assert_close(mean / dist.get_world_size(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
+            if pp == 1 and recompute == "none":  # overlap: buckets still in flight when backward returns
+                in_flight = [n for n, p in pm.named_parameters() if isinstance(p.grad.to_local(), AsyncCollectiveTensor)]
+                assert bool(in_flight) == overlap, (overlap, in_flight)
+            if pp == 1:  # the norm over every piece of every gradient, on the (dp, tp) mesh
+                norm = torch.nn.utils.clip_grad_norm_(pm.parameters(), max_norm=0.5)
+                ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=0.5)
+                torch.testing.assert_close(norm.full_tensor(), ref_norm, rtol=1e-4, atol=1e-6)
             for name, p in pm.named_parameters():
                 torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad, rtol=1e-4, atol=1e-5,
                                            msg=lambda m, n=name: f"step {step} grad of {n}: {m}")
@@ -142,6 +151,7 @@ def _run(world: int, cases: list[dict]) -> dict:
 def test_dp_times_tp_trains_like_one_device_with_zero_0_and_3(tmp_path):
     cases = [dict(kind=kind, dp=2, tp=2, pp=1, zero=zero) for kind in ("gpt2", "llama") for zero in (0, 3)]
     cases[1]["checkpoint"] = str(tmp_path / "gpt2_zero3")  # fused QKV pieces over dp and tp -> zero 0
+    cases[2]["overlap"] = False  # buckets waited on inside the backward (the rest: in the optimizer step)
     cases.append(dict(kind="gpt2", dp=2, tp=2, pp=1, zero=3, recompute="selective"))
     results = _run(4, cases)
     for kind in ("gpt2", "llama"):
