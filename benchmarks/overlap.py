@@ -9,9 +9,12 @@ side in the same processes:
   on in the optimizer step instead of inside the backward;
 * ``aot``: ``recompute="selective", compile="eager"``: sptransform's partitioned forward and
   backward graphs, run op by op, with and without the overlap pass (``passes.overlap``);
-* ``inductor`` (``--inductor``): the same graphs compiled by inductor.
+* ``inductor``: the same graphs compiled by inductor.
 
-Per rank 0 it reports the median step time (forward + backward + AdamW step) and the
+``--runners`` picks them (default ``eager,aot``).
+
+The two settings are built side by side and their steps alternated. Per rank 0 it reports
+the median step time (forward + backward + AdamW step) and the
 *exposed* communication time: the time the rank spends blocked in ``wait_tensor`` per step,
 read from ``torch.profiler`` (the median over the profiled steps). Without overlap every
 collective is waited on right after it is issued, so that time is the communication the
@@ -20,7 +23,7 @@ For the graphs it also counts the collectives with work between issue and wait
 (``passes.overlap.overlap_report``).
 
     python benchmarks/overlap.py [--dp 2 --tp 2 --zero 0 --layers 4 --hidden 256 --heads 8
-        --vocab 4096 --seq 128 --batch 4 --steps 8 --warmup 3 --inductor] [--json out.json]
+        --vocab 4096 --seq 128 --batch 4 --steps 12 --warmup 2 --profiled 6 --runners eager,aot,inductor] [--json out.json]
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ def _exposed_wait_s(prof) -> float:
         parent = event.cpu_parent
         if parent is not None and parent.name == WAIT:
             continue
-        total += event.cpu_time_range.elapsed_us() / 1e6
+        total += event.cpu_time_total / 1e6  # microseconds, children included
     return total
 
 
@@ -76,32 +79,41 @@ def _step(pm, opt, ids) -> float:
     return loss.item()
 
 
-def _run_case(runner: str, overlap: bool, args) -> dict:
+def _run_runner(runner: str, args, reports: "_Reports") -> dict:
+    """Both settings of one runner in this process, their steps alternated (off, on, off, on, ...)
+    so that a machine growing busier or quieter during the run weighs on both alike."""
     import sptransform
 
     rank, tp = dist.get_rank(), args.tp
     torch.manual_seed(1 + rank // tp)  # each data-parallel replica trains on its own batch
     ids = torch.randint(0, args.vocab, (args.batch, args.seq))
-    pm = sptransform.parallelize(_model(args), tp=tp, dp=args.dp, zero=args.zero, overlap=overlap,
-                                 example_inputs=dict(input_ids=ids, labels=ids), **RUNNERS[runner])
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
-    start = time.perf_counter()
-    first_loss = _step(pm, opt, ids)  # captures (and compiles) the graphs
-    first_s = time.perf_counter() - start
-    times = []
-    for _ in range(args.steps):
+    sides = {}
+    for overlap in (False, True):
+        reports.reports.clear()
+        pm = sptransform.parallelize(_model(args), tp=tp, dp=args.dp, zero=args.zero, overlap=overlap,
+                                     example_inputs=dict(input_ids=ids, labels=ids), **RUNNERS[runner])
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
         dist.barrier()
         start = time.perf_counter()
-        last_loss = _step(pm, opt, ids)
-        times.append(time.perf_counter() - start)
-    waits = []
-    for _ in range(args.profiled):
-        dist.barrier()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            _step(pm, opt, ids)
-        waits.append(_exposed_wait_s(prof))
-    return dict(step_s=statistics.median(times[args.warmup:]), exposed_s=statistics.median(waits), first_s=first_s,
-                first_loss=first_loss, last_loss=last_loss)
+        first_loss = _step(pm, opt, ids)  # captures (and compiles) the graphs
+        sides[overlap] = dict(pm=pm, opt=opt, first_s=time.perf_counter() - start, first_loss=first_loss,
+                              times=[], waits=[], graphs=[(b.collectives, b.overlapped, a.overlapped, b.ops_between,
+                                                          a.ops_between) for b, a in reports.reports])
+    for step in range(args.steps + args.profiled):
+        for overlap, side in sides.items():
+            dist.barrier()
+            if step < args.steps:
+                start = time.perf_counter()
+                side["last_loss"] = _step(side["pm"], side["opt"], ids)
+                side["times"].append(time.perf_counter() - start)
+            else:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    _step(side["pm"], side["opt"], ids)
+                side["waits"].append(_exposed_wait_s(prof))
+    return {overlap: dict(step_s=statistics.median(side["times"][args.warmup:]), exposed_s=statistics.median(side["waits"]),
+                          first_s=side["first_s"], first_loss=side["first_loss"], last_loss=side["last_loss"],
+                          graphs=side["graphs"])
+            for overlap, side in sides.items()}
 
 
 class _Reports(logging.Handler):
@@ -126,11 +138,7 @@ def _worker(rank: int, world: int, port: int, args, out: dict) -> None:
     logger.addHandler(reports)
     try:
         for runner in args.runners:
-            for overlap in (False, True):
-                reports.reports.clear()
-                result = _run_case(runner, overlap, args)
-                result["graphs"] = [(b.collectives, b.overlapped, a.overlapped, b.ops_between, a.ops_between)
-                                    for b, a in reports.reports]
+            for overlap, result in _run_runner(runner, args, reports).items():
                 if rank == 0:
                     out[f"{runner} overlap={overlap}"] = result
         dist.barrier()
@@ -166,17 +174,19 @@ def _table(results: dict, args) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("dp", 2), ("tp", 2), ("zero", 0), ("layers", 4), ("hidden", 256), ("heads", 8),
-                          ("vocab", 4096), ("seq", 128), ("batch", 4), ("steps", 8), ("warmup", 3),
-                          ("profiled", 3)):
+                          ("vocab", 4096), ("seq", 128), ("batch", 4), ("steps", 12), ("warmup", 2),
+                          ("profiled", 6)):
         parser.add_argument(f"--{name}", type=int, default=default)
-    parser.add_argument("--inductor", action="store_true", help="also the inductor-compiled graphs")
+    parser.add_argument("--runners", default="eager,aot", help=f"comma-separated, from {','.join(RUNNERS)}")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     if args.steps <= args.warmup:
         parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup}: the median is over the steps after it")
     if args.profiled < 1:
         parser.error("--profiled must be at least 1")
-    args.runners = ["eager", "aot"] + (["inductor"] if args.inductor else [])
+    args.runners = args.runners.split(",")
+    if not args.runners or set(args.runners) - set(RUNNERS):
+        parser.error(f"--runners {','.join(args.runners)}: choose from {','.join(RUNNERS)}")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -297,6 +297,36 @@ class PipelinedModule(nn.Module):
                                                     stride=param.stride())
                 dist.all_reduce(param.grad.to_local(), group=group)
 
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole pipeline. Torch's own, given this
+        module's parameters, sees only this rank's stages, so each stage would scale its gradients
+        by a norm of its own; here the norm is over every stage's gradients (on the ``(dp, tp)``
+        mesh through DTensor, then over the pipeline ranks; a tied parameter held by several
+        stages counted once), the same on every rank. Every gradient is scaled by
+        ``min(1, max_norm / (norm + 1e-6))``, as torch does. Returns the total norm."""
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+            raise TypeError(f"max_norm must be a number, got {max_norm!r}")
+        norm_type = float(norm_type)
+        if not norm_type > 0:
+            raise ValueError(f"norm_type={norm_type}: use a p-norm with p > 0, or float('inf')")
+        elsewhere = {t.name for t in self.pipeline_plan.tied if not t.colocated and self._pp_rank != t.ranks[0]}
+        names: dict[nn.Parameter, set[str]] = {}  # a tied parameter has several names (wte, lm_head)
+        for name, param in self.named_parameters(remove_duplicate=False):
+            names.setdefault(param, set()).add(name)
+        grads = [p.grad for p in names if p.grad is not None]
+        counted = [p.grad for p, aliases in names.items() if p.grad is not None and not aliases & elsewhere]
+        local = torch.nn.utils.get_total_norm(counted, norm_type) if counted else torch.zeros((), device=self._device)
+        local = local.full_tensor() if isinstance(local, DTensor) else local
+        infinite = norm_type == float("inf")
+        combined = local.clone() if infinite else local.double() ** norm_type
+        dist.all_reduce(combined, op=dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM, group=self._pp_group)
+        total = (combined if infinite else combined ** (1.0 / norm_type)).to(local.dtype)
+        scale = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        for grad in grads:
+            (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(scale.to(grad.dtype))
+        return total
+
     def _broadcast_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         last_rank = self.pipeline_plan.stage_rank[-1]
         if self._pp_rank == last_rank:

@@ -41,7 +41,8 @@ def _local_bytes(tensors) -> int:
 def _train(kind: str, *, dp: int, tp: int, pp: int, zero: int, recompute: str = "none", steps: int = 2,
            checkpoint: str | None = None, overlap: bool = True, compile: str = "eager") -> dict:
     """Train the parallel model on this rank's slice of a global batch and the original on all of
-    it; assert they agree (with ``pp=1``, also ``clip_grad_norm_``'s norm and clipped gradients).
+    it; assert they agree (also ``clip_grad_norm_``'s norm and the clipped gradients: torch's with
+    ``pp=1``, ``PipelinedModule.clip_grad_norm_`` across the stages).
     Returns per-rank state bytes and what ZeRO-3 did not keep."""
     import sptransform
     import sptransform.runtime.module as module_
@@ -88,10 +89,11 @@ def _train(kind: str, *, dp: int, tp: int, pp: int, zero: int, recompute: str = 
             if pp == 1 and recompute == "none":  # overlap: buckets still in flight when backward returns
                 in_flight = [n for n, p in pm.named_parameters() if isinstance(p.grad.to_local(), AsyncCollectiveTensor)]
                 assert bool(in_flight) == overlap, (overlap, in_flight)
-            if pp == 1:  # the norm over every piece of every gradient, on the (dp, tp) mesh
-                norm = torch.nn.utils.clip_grad_norm_(pm.parameters(), max_norm=0.5)
-                ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=0.5)
-                torch.testing.assert_close(norm.full_tensor(), ref_norm, rtol=1e-4, atol=1e-6)
+            # the norm over every piece of every gradient: on the (dp, tp) mesh, and over the stages
+            norm = (pm.clip_grad_norm_(0.5) if pp > 1
+                    else torch.nn.utils.clip_grad_norm_(pm.parameters(), max_norm=0.5).full_tensor())
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=0.5)
+            torch.testing.assert_close(norm, ref_norm, rtol=1e-4, atol=1e-6)
             for name, p in pm.named_parameters():
                 torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad, rtol=1e-4, atol=1e-5,
                                            msg=lambda m, n=name: f"step {step} grad of {n}: {m}")
