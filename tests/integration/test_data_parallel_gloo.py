@@ -155,6 +155,7 @@ def test_dp_times_tp_trains_like_one_device_with_zero_0_and_3(tmp_path):
     cases[1]["checkpoint"] = str(tmp_path / "gpt2_zero3")  # fused QKV pieces over dp and tp -> zero 0
     cases[2]["overlap"] = False  # buckets waited on inside the backward (the rest: in the optimizer step)
     cases.append(dict(kind="gpt2", dp=2, tp=2, pp=1, zero=3, recompute="selective"))
+    cases.append(dict(kind="llama", dp=2, tp=2, pp=1, zero=3, recompute="selective", compile="inductor"))
     results = _run(4, cases)
     for kind in ("gpt2", "llama"):
         zero0, zero3 = (results[repr(case)] for case in cases if case["kind"] == kind and "recompute" not in case)
