@@ -9,8 +9,9 @@ ranks, and with ZeRO-3 each parameter gathered from its 1/dp pieces where its la
 
 Parameters are bucketed by layer, as the tensor-parallel gradient buckets are (the layer of
 the first row-parallel linear after a parameter's first use; the last bucket holds what comes
-after the last one), and each bucket is inserted just before its first reader: ZeRO-3 gathers
-a layer's parameters when that layer starts. With ZeRO-3 a parameter with no dim to split
+after the last one), or, without layers (``tp=1``), in first-use order into buckets of about
+``BUCKET_BYTES``; each bucket is inserted just before its first reader: ZeRO-3 gathers a
+layer's parameters when that layer starts. With ZeRO-3 a parameter with no dim to split
 evenly over the data-parallel ranks (``DataParallelPlan.dims[name] is None``) stays whole and
 has its gradient averaged instead.
 
@@ -47,20 +48,22 @@ class DataParallelPlan:
 
 
 def data_parallel(gm: fx.GraphModule, params: dict[fx.Node, str], plan: DataParallelPlan,
-                  layer_rows: list[tuple[fx.Node, int]]) -> fx.GraphModule:
+                  layer_rows: list[tuple[fx.Node, int]], *, bucket_bytes: int | None = None) -> fx.GraphModule:
     """Insert the data-parallel buckets (see the module docstring); ``params``: trainable
-    parameter placeholders -> FQN; ``layer_rows``: (row-parallel linear, layer)."""
+    parameter placeholders -> FQN; ``layer_rows``: (row-parallel linear, layer), empty without
+    layers; ``bucket_bytes``: the size of a bucket then (default ``BUCKET_BYTES``)."""
+    bucket_bytes = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
     used = {p: name for p, name in params.items() if p.users}
     if not used:
         return gm
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     rows = sorted((position[r], layer) for r, layer in layer_rows if r in position)
+    ordered = sorted(used, key=lambda p: min(position[u] for u in p.users))  # by first use
+    groups = dict(zip(ordered, _by_layer(ordered, rows, position) if rows else _by_size(ordered, bucket_bytes)))
     buckets: dict[tuple[int, bool], list[fx.Node]] = defaultdict(list)
-    for param in sorted(used, key=position.__getitem__):
-        first_use = min(position[u] for u in param.users)
-        layer = next((layer for pos, layer in rows if pos > first_use), rows[-1][1] + 1 if rows else 0)
+    for param in sorted(used, key=position.__getitem__):  # a bucket's members in parameter order
         gathered = plan.zero == 3 and plan.dims.get(used[param]) is not None
-        buckets[(layer, gathered)].append(param)
+        buckets[(groups[param], gathered)].append(param)
     for (layer, gathered), members in sorted(buckets.items()):
         first_user = min((u for p in members for u in p.users), key=position.__getitem__)
         readers = {p: list(p.users) for p in members}
@@ -87,6 +90,35 @@ def data_parallel(gm: fx.GraphModule, params: dict[fx.Node, str], plan: DataPara
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+BUCKET_BYTES = 25 * 2**20
+"""Without layer boundaries (``tp=1``: no analysis), parameters in first-use order are cut into
+buckets of about this many bytes, as DDP's ``bucket_cap_mb`` does, so that a bucket can travel
+while the backward of the parameters used before it runs."""
+
+
+def _by_layer(ordered: list[fx.Node], rows: list[tuple[int, int]], position: dict) -> list[int]:
+    """Each parameter's layer: that of the first row-parallel linear after its first use (the
+    last layer's number + 1 after the last one)."""
+    groups = []
+    for param in ordered:
+        first_use = min(position[u] for u in param.users)
+        groups.append(next((layer for pos, layer in rows if pos > first_use), rows[-1][1] + 1))
+    return groups
+
+
+def _by_size(ordered: list[fx.Node], cap: int) -> list[int]:
+    """Consecutive runs of parameters of at most ``cap`` bytes (a larger one alone)."""
+    groups, group, filled = [], 0, 0
+    for param in ordered:
+        val = param.meta.get("val")
+        size = val.numel() * val.element_size() if val is not None else 0
+        if filled and filled + size > cap:
+            group, filled = group + 1, 0
+        groups.append(group)
+        filled += size
+    return groups
 
 
 def zero_dim(local_shape: tuple[int, ...], tp_dim: int | None, size: int) -> int | None:
