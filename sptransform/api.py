@@ -100,8 +100,8 @@ def parallelize(
     tensor-parallel group, as in Megatron and torchtitan.
 
     ``overlap`` (default True): gradient buckets (data-parallel, and replicated parameters'
-    partial gradients) are waited on where the gradient is first read, so their communication
-    runs behind the rest of the backward; the graphs ``recompute`` compiles issue every
+    partial gradients) are waited on when the backward pass ends, so their communication runs
+    behind the rest of the backward; the graphs ``recompute`` compiles issue every
     collective as early and wait on it as late as dataflow allows (``passes.overlap``).
     ``False`` waits on each collective at once.
 

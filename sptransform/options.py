@@ -140,11 +140,11 @@ class ParallelOptions:
     is not used: ``torch.compile(pm)`` compiles such a module."""
     overlap: bool = True
     """Overlap communication with computation: the gradient buckets' all-reduces and
-    reduce-scatters (data-parallel, and replicated parameters' partial gradients) are waited on
-    where a gradient is first read (the optimizer step, ``clip_grad_norm_``), not inside the
-    backward, and the graphs sptransform compiles itself (``recompute``) issue each collective as
-    early and wait on it as late as dataflow allows (``passes.overlap``). ``False`` waits on
-    each collective right after issuing it (for debugging, and to measure what overlap hides)."""
+    reduce-scatters (data-parallel, and replicated parameters' partial gradients) are not waited
+    on inside the backward of their layer but when the backward pass ends, and the graphs
+    sptransform compiles itself (``recompute``) issue each collective as early and wait on it as
+    late as dataflow allows (``passes.overlap``). ``False`` waits on each collective right after
+    issuing it (for debugging, and to measure what overlap hides)."""
 
     def __post_init__(self) -> None:
         _check_int("tp", self.tp, minimum=1)

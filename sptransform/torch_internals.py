@@ -255,6 +255,15 @@ def inductor_graph_compilers(num_user_outputs: int, model=None):
     return fw_compiler, bw_compiler
 
 
+def queue_backward_callback(callback) -> None:
+    """Run ``callback`` once the running backward pass has finished
+    (``Variable._execution_engine.queue_callback``, as DDP's reducer and FSDP2 use): the
+    gradient buckets issued during backward are waited on there. Callable only from inside a
+    backward. Public replacement: none (``register_multi_grad_hook`` fires per tensor, not at
+    the end of the pass)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
 def stage_forward_cache(stage) -> dict:
     """``PipelineStage.fwd_cache``: the outputs a stage keeps until that microbatch's backward,
     which ``_FreeingStage`` releases early. Public replacement: none."""
@@ -273,5 +282,5 @@ __all__ = [
     "local_values",
     "make_boxed_func",
     "maybe_disable_local_tensor_mode", "min_cut_rematerialization_partition", "partitioners", "pytree",
-    "resolve_process_group", "run_and_save_rng_state", "run_with_rng_state", "stage_forward_cache", "tensor_map",
+    "queue_backward_callback", "resolve_process_group", "run_and_save_rng_state", "run_with_rng_state", "stage_forward_cache", "tensor_map",
 ]

@@ -52,6 +52,16 @@ def fake_group(world: int):
 
 
 @contextlib.contextmanager
+def one_rank():
+    """A real one-rank gloo group in this process (collectives are the identity); yields its name."""
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        yield dist.group.WORLD.group_name
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
 def simulated_ranks(world: int):
     with fake_group(world), LocalTensorMode(world) as mode:
         yield mode

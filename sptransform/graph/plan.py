@@ -37,7 +37,7 @@ class ParallelPlan:
     """(linears whose weight is split over the ranks, linears in the graph)."""
     notes: list[str] = field(default_factory=list)
     overlap: bool = True
-    """Replicated parameters' gradient buckets waited on where first read (``sync_grads``)."""
+    """Replicated parameters' gradient buckets waited on when the backward ends (``sync_grads``)."""
 
 
 @dataclass

@@ -44,7 +44,7 @@ class DataParallelPlan:
     local_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """Parameter FQN -> its tensor-parallel-local shape (what a gathered bucket rebuilds)."""
     overlap: bool = True
-    """Gradients waited on where first read (the rest of the backward runs meanwhile)."""
+    """Gradients waited on when the backward ends (the rest of the backward runs meanwhile)."""
 
 
 def data_parallel(gm: fx.GraphModule, params: dict[fx.Node, str], plan: DataParallelPlan,

@@ -20,14 +20,15 @@ Gradients of replicated tensors that feed sharded work arrive *partial* (each ra
 holds its shard's contribution); ``sync_grads`` sums them for parameters over the
 tensor-parallel group; ``average_grads`` acts on the data-parallel group (ZeRO-3's gathers
 are ``runtime.zero.gather_params``). The two gradient buckets take ``overlap``: their
-all-reduce is then waited on where a gradient is first read (the optimizer step), so it runs
-behind the rest of the backward, as DDP's buckets do.
+all-reduce is then not waited on inside the bucket's backward but at the end of the backward
+pass (or where a gradient is read first), so it runs behind the rest of the backward, as DDP's
+buckets do.
 """
 
 from __future__ import annotations
 
 import torch
-from sptransform.torch_internals import funcol, resolve_process_group
+from sptransform.torch_internals import funcol, queue_backward_callback, resolve_process_group
 
 
 def _resolve(group: str) -> torch.distributed.ProcessGroup:
@@ -39,10 +40,33 @@ def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
 
 
 def _all_reduce_later(x: torch.Tensor, group: str) -> torch.Tensor:
-    """An all-reduce waited on where its result is first read, not here: eagerly, torch's
-    ``AsyncCollectiveTensor`` (views of it stay unwaited; any other op waits); traced, a
-    ``wait_tensor`` node that the overlap pass moves to its first reader."""
-    return funcol.all_reduce(x.contiguous(), "sum", group)
+    """An all-reduce not waited on here (see ``_later``)."""
+    return _later(funcol.all_reduce(x.contiguous(), "sum", group))
+
+
+_IN_FLIGHT: list[torch.Tensor] = []
+"""Gradient-bucket collectives issued during the running backward pass, not yet waited on."""
+
+
+def _later(result: torch.Tensor) -> torch.Tensor:
+    """A gradient bucket's collective, left in flight while the rest of the backward runs.
+    Eagerly, ``result`` is torch's ``AsyncCollectiveTensor``: the gradients are views of it, and
+    reading one before the collective is done waits for it (views do not); in any case every
+    collective still in flight is waited on when the backward pass ends, as DDP does, so
+    ``.grad`` is complete after ``backward()`` and no collective outlives it. Traced (AOTAutograd,
+    ``torch.compile``), ``result`` is already a ``wait_tensor`` node, which the overlap pass
+    moves to its first reader."""
+    if isinstance(result, funcol.AsyncCollectiveTensor):
+        _IN_FLIGHT.append(result)
+        # one callback per bucket (the first drains the list): a pass that raised never ran its
+        # callbacks, and what it left in flight is waited on at the end of the next one
+        queue_backward_callback(_wait_in_flight)
+    return result
+
+
+def _wait_in_flight() -> None:
+    while _IN_FLIGHT:
+        _IN_FLIGHT.pop(0).wait()
 
 
 def _flat_bucket(grads, shapes) -> torch.Tensor:
@@ -73,8 +97,8 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
 
 
 def _reduce_scatter_later(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
-    """A reduce-scatter waited on where its result is first read (see ``_all_reduce_later``)."""
-    return funcol.reduce_scatter_single(x.contiguous(), "sum", dim, group)
+    """A reduce-scatter not waited on here (see ``_later``)."""
+    return _later(funcol.reduce_scatter_single(x.contiguous(), "sum", dim, group))
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -151,8 +175,8 @@ class _SyncGrads(torch.autograd.Function):
 class _AverageGrads(torch.autograd.Function):
     """Data parallelism, parameters replicated: identity forward; backward, the bucket's
     gradients averaged over the data-parallel group in one all-reduce. Divided before the sum
-    so that, with ``overlap``, the result is the collective's own (waited on where it is read);
-    for a power-of-two group the two orders give the same bits."""
+    so that, with ``overlap``, the gradients are views of the collective's own result, left in
+    flight (``_later``); for a power-of-two group the two orders give the same bits."""
 
     @staticmethod
     def forward(ctx, group, size, overlap, *params):
@@ -170,7 +194,7 @@ class _AverageGrads(torch.autograd.Function):
 def average_grads(group: str, size: int, *params: torch.Tensor, overlap: bool = False) -> tuple[torch.Tensor, ...]:
     """Identity on a bucket of parameters replicated over the data-parallel ranks; their
     gradients are averaged over the ``size`` ranks of ``group`` in one all-reduce (with
-    ``overlap``, waited on where each gradient is first read)."""
+    ``overlap``, waited on when the backward ends)."""
     return _AverageGrads.apply(group, size, overlap, *params)
 
 
@@ -201,7 +225,7 @@ def gather_output(x: torch.Tensor, dim: int, rank: torch.Tensor, group: str) -> 
 
 def sync_grads(group: str, *params: torch.Tensor, overlap: bool = False) -> tuple[torch.Tensor, ...]:
     """Identity on a bucket of replicated parameters; their partial gradients are summed
-    over the group in one all-reduce (with ``overlap``, waited on where each is first read)."""
+    over the group in one all-reduce (with ``overlap``, waited on when the backward ends)."""
     return _SyncGrads.apply(group, overlap, *params)
 
 

@@ -89,7 +89,7 @@ class _GatherParams(torch.autograd.Function):
 def gather_params(group: str, size: int, dims: list[int], shapes: list[list[int]], *pieces: torch.Tensor,
                   overlap: bool = False):
     """ZeRO-3: the full (tensor-parallel-local) parameters of one bucket, from this rank's pieces;
-    their gradients reduce-scattered back (with ``overlap``, waited on where first read)."""
+    their gradients reduce-scattered back (with ``overlap``, waited on when the backward ends)."""
     return _GatherParams.apply(group, size, tuple(dims), tuple(tuple(s) for s in shapes), overlap, *pieces)
 
 

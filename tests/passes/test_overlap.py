@@ -7,27 +7,16 @@ one-rank gloo group (so each all-reduce is the identity and the graphs run as th
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from hypothesis import given, settings, strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from simulate import one_rank
 from sptransform.passes.overlap import WAIT, find_collectives, is_barrier, overlap_report, schedule_collectives
 
 aten = torch.ops.aten
-
-
-@contextlib.contextmanager
-def one_rank():
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        yield dist.group.WORLD.group_name
-    finally:
-        dist.destroy_process_group()
 
 
 def _bucket_then_work(group):

@@ -1,0 +1,59 @@
+"""Gradient buckets with ``overlap``: issued in backward and left in flight, every one waited on
+when the backward pass ends (also after a pass that raised), on a real one-rank gloo group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+import sptransform.runtime.collectives as collectives
+from simulate import one_rank
+
+
+def _bucket_loss(group, overlap: bool):
+    torch.manual_seed(0)
+    w, b = torch.randn(4, 3, requires_grad=True), torch.randn(3, requires_grad=True)
+    ws, bs = collectives.average_grads(group, 1, w, b, overlap=overlap)
+    x = torch.randn(2, 4)
+    return (torch.tanh(x @ ws + bs) ** 2).sum(), (w, b), x
+
+
+def _expected(x, w, b):
+    w, b = w.detach().requires_grad_(), b.detach().requires_grad_()
+    (torch.tanh(x @ w + b) ** 2).sum().backward()
+    return w.grad, b.grad
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_bucket_gradients_are_complete_and_nothing_is_in_flight_after_backward(overlap):
+    with one_rank() as group:
+        loss, (w, b), x = _bucket_loss(group, overlap)
+        loss.backward()
+        assert not collectives._IN_FLIGHT
+        assert isinstance(w.grad, AsyncCollectiveTensor) == overlap  # issued without a wait inside backward
+        for got, want in zip((w.grad, b.grad), _expected(x, w, b)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+class _Fails(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("backward failed on purpose")
+
+
+def test_a_backward_that_raises_leaves_nothing_in_flight_after_the_next_one():
+    with one_rank() as group:
+        torch.manual_seed(0)
+        w = torch.randn(3, requires_grad=True)
+        (ws,) = collectives.sync_grads(group, _Fails.apply(w), overlap=True)
+        with pytest.raises(RuntimeError, match="on purpose"):
+            (ws * 2).sum().backward()  # the bucket is issued, then the op before it raises
+        assert len(collectives._IN_FLIGHT) == 1  # the failed pass ran no end-of-backward callback
+        loss, _, _ = _bucket_loss(group, True)
+        loss.backward()
+        assert not collectives._IN_FLIGHT
