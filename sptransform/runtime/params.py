@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from sptransform.graph.sharding import DimShard
+from sptransform.runtime.collectives import note_gradient
 from sptransform.torch_internals import StridedShard, local_tensor_mode
 
 
@@ -83,7 +84,15 @@ def shard_parameter(param: nn.Parameter, placement, mesh: DeviceMesh, device: to
         dtensor = DTensor.from_local(local, mesh, [placement], run_check=False, shape=param.shape, stride=param.stride())
     else:
         dtensor = _distribute(param.detach(), placement, mesh)
-    return nn.Parameter(dtensor, requires_grad=param.requires_grad)
+    return _with_gradient_hook(nn.Parameter(dtensor, requires_grad=param.requires_grad))
+
+
+def _with_gradient_hook(param: nn.Parameter) -> nn.Parameter:
+    """Gradients that arrive from a bucket still in flight become plain tensors when the
+    backward ends (``runtime.collectives.note_gradient``)."""
+    if param.requires_grad:
+        param.register_post_accumulate_grad_hook(note_gradient)
+    return param
 
 
 def _shard_on_mesh(param: nn.Parameter, placements: list, mesh: DeviceMesh, device: torch.device) -> nn.Parameter:
@@ -100,7 +109,7 @@ def _shard_on_mesh(param: nn.Parameter, placements: list, mesh: DeviceMesh, devi
         dtensor = DTensor.from_local(local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride())
     else:
         dtensor = distribute_tensor(param.detach().clone(), mesh, placements, src_data_rank=0)
-    return nn.Parameter(dtensor, requires_grad=param.requires_grad)
+    return _with_gradient_hook(nn.Parameter(dtensor, requires_grad=param.requires_grad))
 
 
 def _distribute(full: torch.Tensor, placement, mesh: DeviceMesh) -> DTensor:

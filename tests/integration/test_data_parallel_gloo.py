@@ -87,10 +87,10 @@ def _train(kind: str, *, dp: int, tp: int, pp: int, zero: int, recompute: str = 
             mean = loss.detach().clone()
             dist.all_reduce(mean)  # every rank of a data-parallel replica holds that replica's loss
             torch.testing.assert_close(mean / dist.get_world_size(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
-            if pp == 1 and recompute == "none":  # overlap: buckets issued, not waited on inside backward
-                issued = [n for n, p in pm.named_parameters() if isinstance(p.grad.to_local(), AsyncCollectiveTensor)]
-                assert bool(issued) == overlap, (overlap, issued)
-                assert not collectives._IN_FLIGHT  # every one waited on when backward ended
+            # overlap: every bucket waited on when backward ended, every .grad a plain tensor again
+            assert not collectives._IN_FLIGHT and not collectives._SETTLE
+            unsettled = [n for n, p in pm.named_parameters() if isinstance(p.grad.to_local(), AsyncCollectiveTensor)]
+            assert not unsettled, unsettled
             # the norm over every piece of every gradient: on the (dp, tp) mesh, and over the stages
             norm = (pm.clip_grad_norm_(0.5) if pp > 1
                     else torch.nn.utils.clip_grad_norm_(pm.parameters(), max_norm=0.5).full_tensor())

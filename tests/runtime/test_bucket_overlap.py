@@ -1,5 +1,6 @@
 """Gradient buckets with ``overlap``: issued in backward and left in flight, every one waited on
-when the backward pass ends (also after a pass that raised), on a real one-rank gloo group."""
+when the backward pass ends (also after a pass that raised) and ``.grad`` a plain tensor again,
+on a real one-rank gloo group."""
 
 from __future__ import annotations
 
@@ -26,12 +27,17 @@ def _expected(x, w, b):
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_bucket_gradients_are_complete_and_nothing_is_in_flight_after_backward(overlap):
+def test_bucket_gradients_are_complete_plain_and_nothing_is_in_flight_after_backward(overlap):
     with one_rank() as group:
         loss, (w, b), x = _bucket_loss(group, overlap)
+        arrived = []  # what .grad was when autograd stored it: the bucket still in flight, with overlap
+        for p in (w, b):
+            p.register_post_accumulate_grad_hook(lambda p: arrived.append(type(p.grad)))
+            p.register_post_accumulate_grad_hook(collectives.note_gradient)
         loss.backward()
-        assert not collectives._IN_FLIGHT
-        assert isinstance(w.grad, AsyncCollectiveTensor) == overlap  # issued without a wait inside backward
+        assert arrived == [AsyncCollectiveTensor if overlap else torch.Tensor] * 2
+        assert not collectives._IN_FLIGHT and not collectives._SETTLE
+        assert type(w.grad) is torch.Tensor and type(b.grad) is torch.Tensor  # settled: plain again
         for got, want in zip((w.grad, b.grad), _expected(x, w, b)):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
 
