@@ -46,7 +46,7 @@ def parallelize(
     dp: int = 1,
     zero: int = 0,
     compile: Literal["inductor", "eager"] = "inductor",
-    overlap: bool = True,
+    overlap: bool | None = None,
 ) -> "nn.Module":
     """Turn an unmodified single-device ``model`` into one that trains across ``tp`` ranks
     with Megatron tensor parallelism (and sequence parallelism when ``sp``).
@@ -99,10 +99,11 @@ def parallelize(
     or ``(dp, pp, tp)`` over the whole process group, row-major: consecutive ranks form a
     tensor-parallel group, as in Megatron and torchtitan.
 
-    ``overlap`` (default True): gradient buckets (data-parallel, and replicated parameters'
-    partial gradients) are waited on when the backward pass ends, so their communication runs
-    behind the rest of the backward; the graphs ``recompute`` compiles issue every
-    collective as early and wait on it as late as dataflow allows (``passes.overlap``).
+    ``overlap``: the graphs ``recompute`` compiles issue every collective as early and wait on it
+    as late as dataflow allows (``passes.overlap``), unless ``False``; eagerly, gradient buckets
+    (data-parallel, and replicated parameters' partial gradients) stay in flight through the rest
+    of the backward and are waited on when it ends — with ``True``, or by default (``None``) on
+    accelerators only (on CPU gloo reduces on the cores that compute: measured slower).
     ``False`` waits on each collective at once.
 
     Every argument is validated here; a bad one is a ``TypeError``/``ValueError`` naming the

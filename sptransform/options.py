@@ -138,13 +138,19 @@ class ParallelOptions:
     them op by op, for debugging (and where no C++ compiler / Triton is available). Compiled on the
     first call of each input signature. With ``recompute="none"`` nothing is partitioned and this
     is not used: ``torch.compile(pm)`` compiles such a module."""
-    overlap: bool = True
-    """Overlap communication with computation: the gradient buckets' all-reduces and
-    reduce-scatters (data-parallel, and replicated parameters' partial gradients) are not waited
-    on inside the backward of their layer but when the backward pass ends, and the graphs
-    sptransform compiles itself (``recompute``) issue each collective as early and wait on it as
-    late as dataflow allows (``passes.overlap``). ``False`` waits on each collective right after
-    issuing it (for debugging, and to measure what overlap hides)."""
+    overlap: bool | None = None
+    """Overlap communication with computation. The graphs sptransform compiles itself
+    (``recompute``) issue each collective as early and wait on it as late as dataflow allows
+    (``passes.overlap``), unless ``False``. Eagerly, the gradient buckets' all-reduces and
+    reduce-scatters (data-parallel, and replicated parameters' partial gradients) are left in
+    flight through the rest of the backward and waited on when it ends: with ``True``, or by
+    default (``None``) on accelerators only — on CPU, gloo reduces on the cores that compute, and
+    steps measured 3-17% slower with it. ``False`` waits on each collective right after issuing
+    it (for debugging, and to measure what overlap hides)."""
+
+    def overlaps_buckets(self, device_type: str) -> bool:
+        """Whether eager gradient buckets stay in flight on a ``device_type`` rank (see ``overlap``)."""
+        return self.overlap if self.overlap is not None else device_type != "cpu"
 
     def __post_init__(self) -> None:
         _check_int("tp", self.tp, minimum=1)
@@ -166,7 +172,8 @@ class ParallelOptions:
         _check_int("graph_cache_size", self.graph_cache_size, minimum=1,
                    fix="the number of input signatures whose graphs are kept (default 8)")
         check_graph_compiler(self.compile)
-        _check_bool("overlap", self.overlap)
+        if self.overlap is not None:
+            _check_bool("overlap", self.overlap)
 
     @property
     def remat(self) -> "RematOptions | None":

@@ -14,7 +14,7 @@ Every path (``parallelize``'s module, its pipeline stages, ``sptransform memory`
     [pipeline split]             pipeline.plan                  pp > 1: stages at layer boundaries
     [remat partition, compile]   passes.remat + aot_compile     recompute != "none": AOTAutograd, then
                                                                  inductor (compile="inductor") or eager
-    [schedule collectives]       passes.overlap                 each partitioned graph (overlap=True):
+    [schedule collectives]       passes.overlap                 each partitioned graph (unless overlap=False):
                                                                  issue collectives early, wait late
 
 Sequence parallelism is not a pass of its own: it is how the propagation reduces the partial
@@ -79,17 +79,19 @@ def _logged(name: str, gm: fx.GraphModule, run: Callable[[], object]):
 
 def build_parallel_graph(
     template: FakeTemplate, args: tuple, kwargs: dict, options: ParallelOptions, group: str | None, generators: int,
-    dp_group: str | None = None,
+    dp_group: str | None = None, device_type: str = "cpu",
 ) -> ParallelGraph:
     """The pass list, top to bottom (see the module docstring). ``dp_group``: the data-parallel
-    process group's name (``options.dp > 1``)."""
+    process group's name (``options.dp > 1``); ``device_type``: where the graph runs (whether its
+    gradient buckets stay in flight, ``ParallelOptions.overlaps_buckets``)."""
+    overlap = options.overlaps_buckets(device_type)
     with maybe_disable_local_tensor_mode():  # tracing sees one rank, never simulated ones
         captured = capture(template, args, kwargs)
     log.debug("capture: %d nodes", len(captured.gm.graph.nodes))
     if options.tp == 1:  # nothing to split: the captured graph runs as is, data parallelism aside
         graph = ParallelGraph(captured, None, None)
         if options.dp > 1:
-            _add_data_parallel(graph, options, dp_group, {}, [])
+            _add_data_parallel(graph, options, dp_group, {}, [], overlap)
         return graph
     gm, tp = captured.gm, options.tp
     _logged("remove_dead_code", gm, lambda: remove_dead_code(gm))
@@ -109,7 +111,7 @@ def build_parallel_graph(
     static_rank = None if local_tensor_mode() is not None else _resolve(group).rank()
     plan = ParallelPlan(tp=tp, sp=options.sp, group=group, rank=add_rank_input(gm), static_rank=static_rank,
                         placements=placements, seq_len=analysis.seq_len if options.sp else None,
-                        overlap=options.overlap)
+                        overlap=overlap)
     if analysis.head is not None:
         plan.vocab = analysis.head.out_features
         plan.vocab_per_rank = -(-plan.vocab // tp)
@@ -137,12 +139,12 @@ def build_parallel_graph(
     _logged("dropout", gm, lambda: shard_dropout(gm, plan, mode=options.dropout_rng, generators=generators))
     graph = ParallelGraph(captured, analysis, plan)
     if options.dp > 1:
-        _add_data_parallel(graph, options, dp_group, placements, layer_rows)
+        _add_data_parallel(graph, options, dp_group, placements, layer_rows, overlap)
     return graph
 
 
 def _add_data_parallel(graph: ParallelGraph, options: ParallelOptions, group: str | None, placements: dict,
-                       layer_rows: list) -> None:
+                       layer_rows: list, overlap: bool) -> None:
     """[data parallel]: gradient averaging buckets, or ZeRO-3 gathers, after the tensor-parallel
     rewrite (``passes.data_parallel``); the plan records how each parameter is stored."""
     captured, gm = graph.captured, graph.gm
@@ -163,7 +165,7 @@ def _add_data_parallel(graph: ParallelGraph, options: ParallelOptions, group: st
         dims[name] = zero_dim(tuple(shape), storage.dim if storage is not None else None, options.dp) \
             if options.zero == 3 else None
     plan = DataParallelPlan(group=group, size=options.dp, zero=options.zero, dims=dims, local_shapes=local_shapes,
-                            overlap=options.overlap)
+                            overlap=overlap)
     _logged("data_parallel", gm, lambda: data_parallel(gm, trainable, plan, layer_rows))
     graph.data_parallel = plan
 
@@ -294,7 +296,7 @@ class GraphFactory:
             with maybe_disable_local_tensor_mode():  # fake tensors of one rank, never simulated ones
                 self.template.retype(dtypes)
         graph = build_parallel_graph(self.template, args, kwargs, self.options, self.group, self.generators.key,
-                                     self.dp_group)
+                                     self.dp_group, self.device.type)
         graph.gm.to(self.device)  # index tables the passes added live with the parameters
         return graph
 
@@ -311,4 +313,4 @@ class GraphFactory:
         if remat is None:
             raise ValueError("compile() partitions by a recompute policy, and recompute='none'")
         return compile_with_remat(gm, inputs, remat, state_positions, compile=self.options.compile,
-                                  overlap=self.options.overlap)
+                                  overlap=self.options.overlap is not False)
