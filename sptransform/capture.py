@@ -11,8 +11,9 @@ which ``ParallelModule`` caches.
 
 from __future__ import annotations
 
-import copy
+import functools
 import operator
+import types
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -21,6 +22,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.export.graph_signature import InputKind, OutputKind
 
+from sptransform.copying import faithful_deepcopy
 from sptransform.torch_internals import (
     FakeTensor, FakeTensorMode, disable_current_modes, free_unbacked_symbols, maybe_disable_local_tensor_mode, pytree,
 )
@@ -65,7 +67,15 @@ class FakeTemplate:
             for t in list(model.parameters()) + list(model.buffers()):
                 fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
                 memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
-        self.module = copy.deepcopy(model, memo)  # keeps every submodule's own train/eval flag
+        # Closures rebound too: a lambda head reading ``self.emb.weight`` must read the fake copy's
+        # weight (a parameter of the graph), not the real one (a frozen constant, no gradient).
+        self.module = faithful_deepcopy(model, memo)  # keeps every submodule's own train/eval flag
+        self.param_names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+        self.own_storage: dict[tuple, str] = {}
+        for name, t in _named_state(model):
+            if t.device.type != "meta":  # meta tensors have no storage to recognise
+                self.own_storage.setdefault(_storage_key(t), name)
+        self.foreign_storage = _foreign_parameters(self.module)
 
     # -- what a capture depends on besides the inputs: modes and dtypes ---------------
 
@@ -113,6 +123,61 @@ class FakeTemplate:
             return pytree.tree_map(convert, (tuple(args), dict(kwargs)))
 
 
+def _named_state(model: nn.Module):
+    yield from model.named_parameters(remove_duplicate=False)
+    yield from model.named_buffers(remove_duplicate=False)
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    """Identity of the memory a tensor reads: export lifts a tensor that forward reaches outside the
+    module's attributes as a detached alias, which shares this key with its source."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def _foreign_parameters(module: nn.Module) -> dict[int, str]:
+    """Parameters of modules *outside* ``module`` that its functions reach through closures,
+    ``functools.partial`` or bound methods (``copy.deepcopy`` of a model whose lambda head reads
+    ``self.emb.weight`` leaves the copy reading the original's weight): storage pointer -> a name
+    for the error message. Forward reading one computes with a weight whose gradient never reaches
+    the model."""
+    own = {id(m) for m in module.modules()}
+    found: dict[int, str] = {}
+    seen: set[int] = set()
+
+    def visit(obj, where: str, depth: int) -> None:
+        if id(obj) in seen or depth > 4:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, nn.Module):
+            if id(obj) not in own:
+                for name, p in obj.named_parameters():
+                    if not isinstance(p, FakeTensor) and p.device.type != "meta":
+                        found.setdefault(p.untyped_storage().data_ptr(), f"{name} of {type(obj).__name__} ({where})")
+            return
+        if isinstance(obj, nn.Parameter) and not isinstance(obj, FakeTensor) and obj.device.type != "meta":
+            found.setdefault(obj.untyped_storage().data_ptr(), f"a parameter of shape {tuple(obj.shape)} ({where})")
+        elif isinstance(obj, types.FunctionType):
+            for cell in obj.__closure__ or ():
+                try:
+                    visit(cell.cell_contents, f"closure of {obj.__qualname__}", depth + 1)
+                except ValueError:  # an empty cell
+                    pass
+        elif isinstance(obj, types.MethodType):
+            visit(obj.__self__, f"bound method {obj.__qualname__}", depth + 1)
+        elif isinstance(obj, functools.partial):
+            for item in (obj.func, *obj.args, *obj.keywords.values()):
+                visit(item, where, depth + 1)
+        elif isinstance(obj, (list, tuple, dict)):
+            for item in obj.values() if isinstance(obj, dict) else obj:
+                visit(item, where, depth + 1)
+
+    for name, sub in module.named_modules():
+        for attr, value in vars(sub).items():
+            if not attr.startswith("_"):
+                visit(value, f"{name + '.' if name else ''}{attr}", 0)
+    return found
+
+
 def capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph:
     """Trace ``template.module(*args, **kwargs)`` to an ATen graph; errors say why not. One
     rank's graph, also under simulated ranks: tracing never sees LocalTensors."""
@@ -154,15 +219,36 @@ def _capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph
             params.add(spec.target)
     constants = {}
     buffers = {name for name, _ in template.module.named_buffers(remove_duplicate=False)}
-    for name, value in ep.constants.items():
-        if name in buffers:
+    foreign = []
+    for spec in signature.input_specs:
+        name = spec.target
+        if spec.kind != InputKind.CONSTANT_TENSOR or name in buffers:
             continue  # a non-persistent buffer: its value comes from the real module
+        value = ep.constants[name]
         if isinstance(value, FakeTensor):
             raise ValueError(
                 f"the model creates the tensor constant {name!r} inside forward; sptransform "
                 "captures with fake tensors and cannot recover its value: register it as a buffer"
             )
+        own = template.own_storage.get(_storage_key(value))
+        if own is not None:  # the model's own tensor, reached where the template's copy did not rebind it
+            state_names[state_names.index(name)] = own
+            if own in template.param_names:
+                params.add(own)
+            continue
+        if value.untyped_storage().data_ptr() in template.foreign_storage:
+            foreign.append(f"{name}: {template.foreign_storage[value.untyped_storage().data_ptr()]}")
+            continue
         constants[name] = value
+    if foreign:
+        raise ValueError(
+            "the model's forward reads parameters of a module that is not part of it, reached through a "
+            "closure, functools.partial or bound method (copy.deepcopy does not copy closures: a copy of a "
+            "model whose head is `lambda t: t @ self.emb.weight.t()` still reads the original's weight). "
+            "Their gradients would never reach the model's parameters. Pass the model itself (not a "
+            "copy.deepcopy of it), or copy it with sptransform.faithful_deepcopy (which rebinds closures), or make the tensor a parameter of the model. Read:\n  " + "\n  ".join(foreign)
+        )
+    _merge_duplicate_state(ep.graph_module, state_names)
     _drop_export_asserts(ep.graph_module)
     _refuse_data_dependent_shapes(ep.graph_module)
     _refuse_hidden_writes(ep.graph_module)
@@ -177,6 +263,23 @@ def _capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph
         out_spec=ep.call_spec.out_spec,
         constants=constants,
     )
+
+
+def _merge_duplicate_state(gm: fx.GraphModule, state_names: list[str]) -> None:
+    """One placeholder per state name: a constant recognised as a parameter the graph also reads
+    directly (a tied head: the embedding by attribute, the head through a closure) becomes that
+    parameter's placeholder, so its gradient is one sum."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"][: len(state_names)]
+    first: dict[str, fx.Node] = {}
+    for node, name in list(zip(placeholders, state_names)):
+        if name in first:
+            node.replace_all_uses_with(first[name])
+            gm.graph.erase_node(node)
+        else:
+            first[name] = node
+    if len(first) != len(state_names):
+        state_names[:] = list(dict.fromkeys(state_names))
+        gm.recompile()
 
 
 def _views_as_reshapes(gm: fx.GraphModule) -> None:

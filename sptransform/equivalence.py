@@ -35,7 +35,6 @@ output's and a gradient's row keeps its worst step.
 from __future__ import annotations
 
 import contextlib
-import copy
 import datetime
 import inspect
 import math
@@ -52,6 +51,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from sptransform.api import normalize_example_inputs, parallelize
+from sptransform.copying import faithful_deepcopy
 from sptransform.runtime.params import call_defaults
 from sptransform.torch_internals import (
     FakeStore, LocalTensor, LocalTensorMode, StridedShard, local_tensor_mode, maybe_disable_local_tensor_mode,
@@ -418,7 +418,7 @@ def _placement(placement) -> str:
 
 def _run_reference(model: nn.Module, args: tuple, kwargs: dict, steps: int) -> tuple[_Record, str]:
     """Train a deep copy of ``model`` ``steps`` SGD steps; exceptions propagate."""
-    ref = copy.deepcopy(model)
+    ref = faithful_deepcopy(model)
     params = dict(ref.named_parameters())
     opt = torch.optim.SGD(params.values(), lr=LR)
     record, loss_name = _Record(), ""
@@ -478,7 +478,7 @@ def _verify_simulated(model, *, tp, sp, args, kwargs, steps, rtol, notes) -> Ver
                 raise
             mode_note = (f"parallelize refuses dropout_rng='reference' in train() mode ({message}); "
                          "compared in eval() mode (dropout off) instead")
-            evaluated = copy.deepcopy(model).eval()
+            evaluated = faithful_deepcopy(model).eval()
             ref, loss_name = _run_reference(evaluated, args, kwargs, steps)
             par, error = _run_parallel(evaluated, tp=tp, sp=sp, args=args, kwargs=kwargs, steps=steps,
                                        loss=loss_name)
@@ -503,7 +503,7 @@ def _run_parallel(model, *, tp, sp, args, kwargs, steps, loss: str) -> tuple[_Re
     record = _Record()
     with simulated_ranks(tp):
         try:
-            pm = parallelize(copy.deepcopy(model), tp=tp, sp=sp, example_inputs=(args, kwargs),
+            pm = parallelize(faithful_deepcopy(model), tp=tp, sp=sp, example_inputs=(args, kwargs),
                              dropout_rng="reference")
         except (ValueError, TypeError) as error:
             raise _Refused(str(error)) from error
@@ -553,7 +553,7 @@ def _verify_pipeline(model, *, tp, sp, pp, args, kwargs, steps, rtol, timeout_s,
 
     fields = dict(tp=tp, sp=sp, pp=pp, steps=steps, rtol=rtol)
     if model.training:
-        model = copy.deepcopy(model).eval()
+        model = faithful_deepcopy(model).eval()
         notes.append("pp > 1: pipeline ranks draw dropout masks per microbatch and per process, which no "
                      "single-device run reproduces: compared in eval() mode (dropout off)")
     tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]

@@ -4,12 +4,12 @@ and helpers to read every simulated rank's value."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import socket
 import time
 
 import torch
 import torch.distributed as dist
+from sptransform.copying import faithful_deepcopy
 from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -90,7 +90,7 @@ def train_side_by_side(make_model, inputs: tuple, *, tp: int, sp: bool, steps: i
     call = call or (lambda m: m(*inputs))
     torch.manual_seed(0)
     model = make_model()
-    ref = copy.deepcopy(model)
+    ref = faithful_deepcopy(model)
     # eps well above float noise: a key bias gets a ~1e-9 gradient (softmax ignores it),
     # which the default eps=1e-8 would turn into a full +-lr step of random sign.
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, eps=1e-4)

@@ -25,6 +25,7 @@ LAYERS = [
     ("sptransform.planner", 1),
     ("sptransform.capture", 2),
     ("sptransform.options", 0),
+    ("sptransform.copying", 0),
     ("sptransform.torch_internals", 0),
 ]
 

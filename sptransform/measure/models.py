@@ -13,13 +13,13 @@ model can be traced on a laptop.
 
 from __future__ import annotations
 
-import copy
 import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from sptransform.copying import faithful_deepcopy
 from sptransform.planner.presets import ModelShape
 from sptransform.torch_internals import FakeTensorMode
 
@@ -163,7 +163,7 @@ def fake_copy(module: nn.Module, *, dtype: torch.dtype | None = None) -> tuple[n
         for t in [*module.parameters(), *module.buffers()]:
             fake = torch.empty(t.shape, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
             memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
-    return copy.deepcopy(module, memo).train(module.training), fake_mode
+    return faithful_deepcopy(module, memo).train(module.training), fake_mode
 
 
 def fake_model(
