@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import re
 import types
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -186,6 +187,8 @@ def capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph:
 
 
 def _capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph:
+    from sptransform.graph.sharding import describe
+
     fake_args, fake_kwargs = template.fake_inputs(args, kwargs)
     try:
         ep = torch.export.export(template.module, fake_args, fake_kwargs, strict=False)
@@ -196,20 +199,12 @@ def _capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph
             "The forward must be traceable without data-dependent control flow or graph "
             "breaks; see the README's 'Limits'."
         ) from err
-    if _hidden_writes(ep.graph_module):
-        # In-place writes read through another alias: functionalize (no decompositions), so
-        # that every read of a written value is an edge of the graph (``copy_`` into a slice of a
-        # buffer becomes ``slice_scatter``, and later readers read its result).
-        with disable_current_modes():  # a disabled LocalTensorMode still on the stack breaks functionalization
-            ep = ep.run_decompositions({})
-        _views_as_reshapes(ep.graph_module)
+    # Every check that can refuse runs on the exported graph, before functionalization: a model
+    # that writes a parameter in place (Gemma 3n clamps one) can crash inside
+    # ``run_decompositions``, and a refusal must never depend on what runs after it.
     signature = ep.graph_signature
-    for spec in signature.output_specs:
-        if spec.kind not in (OutputKind.USER_OUTPUT,):
-            raise ValueError(
-                f"the model's forward mutates {spec.target!r} ({spec.kind.name}); "
-                "sptransform supports forwards that do not write to buffers or inputs"
-            )
+    mutated = [f"{spec.target!r} ({spec.kind.name})" for spec in signature.output_specs
+               if spec.kind != OutputKind.USER_OUTPUT]
     state_names, params = [], set()
     for spec in signature.input_specs:
         if spec.kind == InputKind.USER_INPUT:
@@ -220,12 +215,18 @@ def _capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph
     constants = {}
     buffers = {name for name, _ in template.module.named_buffers(remove_duplicate=False)}
     foreign = []
-    for spec in signature.input_specs:
+    placeholders = [n for n in ep.graph_module.graph.nodes if n.op == "placeholder"]
+    for placeholder, spec in zip(placeholders, signature.input_specs):
         name = spec.target
         if spec.kind != InputKind.CONSTANT_TENSOR or name in buffers:
             continue  # a non-persistent buffer: its value comes from the real module
         value = ep.constants[name]
         if isinstance(value, FakeTensor):
+            writes = _writes_into(ep.graph_module, placeholder)
+            if writes:  # ``self.weight.data.clamp_()``: export lifts the alias as a constant it writes into
+                mutated.extend(f"a .data/.detach() alias of a parameter or buffer, written by {describe(w)}"
+                               for w in writes)
+                continue
             raise ValueError(
                 f"the model creates the tensor constant {name!r} inside forward; sptransform "
                 "captures with fake tensors and cannot recover its value: register it as a buffer"
@@ -240,19 +241,33 @@ def _capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph
             foreign.append(f"{name}: {template.foreign_storage[value.untyped_storage().data_ptr()]}")
             continue
         constants[name] = value
+    if mutated:
+        raise ValueError(
+            f"the model's forward mutates {_sites(mutated)}. sptransform supports "
+            "forwards that do not write to parameters, buffers or inputs: move the write out of forward (e.g. "
+            "clamp the weight after the optimizer step) or compute on a copy"
+        )
     if foreign:
         raise ValueError(
             "the model's forward reads parameters of a module that is not part of it, reached through a "
             "closure, functools.partial or bound method (copy.deepcopy does not copy closures: a copy of a "
             "model whose head is `lambda t: t @ self.emb.weight.t()` still reads the original's weight). "
             "Their gradients would never reach the model's parameters. Pass the model itself (not a "
-            "copy.deepcopy of it), or copy it with sptransform.faithful_deepcopy (which rebinds closures), or make the tensor a parameter of the model. Read:\n  " + "\n  ".join(foreign)
+            "copy.deepcopy of it), copy it with sptransform.faithful_deepcopy (which rebinds closures), or "
+            "make the tensor a parameter of the model. Read:\n  " + "\n  ".join(foreign)
         )
-    _merge_duplicate_state(ep.graph_module, state_names)
-    _drop_export_asserts(ep.graph_module)
     _refuse_data_dependent_shapes(ep.graph_module)
-    _refuse_hidden_writes(ep.graph_module)
     _refuse_custom_autograd_functions(template, fake_args, fake_kwargs)
+    if _hidden_writes(ep.graph_module):
+        # In-place writes read through another alias: functionalize (no decompositions), so
+        # that every read of a written value is an edge of the graph (``copy_`` into a slice of a
+        # buffer becomes ``slice_scatter``, and later readers read its result).
+        with disable_current_modes():  # a disabled LocalTensorMode still on the stack breaks functionalization
+            ep = ep.run_decompositions({})
+        _views_as_reshapes(ep.graph_module)
+        _refuse_hidden_writes(ep.graph_module)
+    _drop_export_asserts(ep.graph_module)
+    _merge_duplicate_state(ep.graph_module, state_names)  # input order is the signature's, before and after
     num_user = sum(1 for s in signature.input_specs if s.kind == InputKind.USER_INPUT)
     return CapturedGraph(
         gm=ep.graph_module,
@@ -263,6 +278,24 @@ def _capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph
         out_spec=ep.call_spec.out_spec,
         constants=constants,
     )
+
+
+def _writes_into(gm: fx.GraphModule, placeholder: fx.Node) -> list[fx.Node]:
+    """The ops that write in place into ``placeholder`` or a view of it."""
+    aliases, stack = {placeholder}, [placeholder]
+    while stack:
+        for user in stack.pop().users:
+            if _aliased_input(user) in aliases and user not in aliases:
+                aliases.add(user)
+                stack.append(user)
+    return [node for node in gm.graph.nodes if set(_written_inputs(node)) & aliases]
+
+
+def _sites(sites: list[str], most: int = 3) -> str:
+    """Distinct sites (node names aside: one per layer is one site), the first ``most`` of them."""
+    distinct = list(dict.fromkeys(re.sub(r" \(node \w+\)", "", site) for site in sites))
+    more = f"; and {len(distinct) - most} more" if len(distinct) > most else ""
+    return "; ".join(distinct[:most]) + more
 
 
 def _merge_duplicate_state(gm: fx.GraphModule, state_names: list[str]) -> None:
