@@ -81,6 +81,7 @@ def gradient_plan(
     plan = GradientPlan()
     grad = needs_gradient(gm, params | inputs)
     state: dict[fx.Node, str] = {}  # replicated node -> "full" / "partial" (its gradient on arrival)
+    deferred: dict[fx.Node, list[fx.Node]] = {}  # node left "partial" -> its partial readers (an f may go there)
 
     def edge(user: fx.Node, node: fx.Node) -> str:
         if user.op == "output":
@@ -97,8 +98,19 @@ def gradient_plan(
         placement = prop.placement.get(node)
         if isinstance(placement, tuple):  # several outputs: gradient arrives through the getitems
             if all(p in (REPLICATED, None) for p in placement):
-                kinds = {state.get(u, "full") for u in node.users if u.target is operator.getitem}
-                state[node] = "partial" if kinds == {"partial"} else "full"
+                items = [u for u in node.users if u.target is operator.getitem]
+                kinds = {state.get(u, "full") for u in items}
+                if kinds == {"partial"}:
+                    state[node] = "partial"
+                else:
+                    # Partial and full parts meet (a fused [q|kv] weight split, q read by the
+                    # sequence-split stream, kv by a whole memory): the partial parts are summed
+                    # before they join the full ones.
+                    for item in items:
+                        if state.get(item) == "partial":
+                            plan.f_edges[item] = deferred.pop(item)
+                            state[item] = "full"
+                    state[node] = "full"
             continue
         if placement != REPLICATED:
             continue
@@ -109,6 +121,7 @@ def gradient_plan(
             state[node] = "full"
         elif node in constant and len(partial) == len(kinds):
             state[node] = "partial"  # stays partial back to the parameters (replicated ops are linear)
+            deferred[node] = partial
         else:
             plan.f_edges[node] = partial
             state[node] = "full"

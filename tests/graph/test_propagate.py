@@ -143,6 +143,31 @@ def test_a_weight_read_both_split_and_whole_gets_an_f_not_a_bucket():
     assert w not in grads.partial_params and w in grads.f_edges
 
 
+def test_a_fused_weight_split_into_a_sequence_split_part_and_a_whole_part_sums_the_split_part():
+    """``nn.MultiheadAttention`` as cross-attention: ``in_proj_weight.split([E, 2E])``, q read by the
+    sequence-split stream (a partial gradient), kv by a whole memory (full). The partial part must
+    be summed before it joins the full one (it was left unsummed: 0.5x the q rows' gradient)."""
+
+    class FusedCross(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(24, 8))
+            self.mlp = MLP()
+
+        def forward(self, x, memory):
+            h = x + self.mlp(x)  # split along the sequence
+            w_q, w_kv = self.w.split([8, 16])
+            return (h @ w_q.t()).sum() + (memory @ w_kv.t()).sum()
+
+    gm, prop, grads, names = _run(FusedCross(), (torch.randn(2, 4, 8), torch.randn(2, 6, 8)),
+                                  {"mlp.up.weight": whole(0, 16), "mlp.down.weight": whole(1, 16)}, seq=4)
+    w = names["w"]
+    assert w not in grads.partial_params  # not bucketed as a whole: the kv part is full
+    split = next(n for n in gm.graph.nodes if n.op == "call_function" and w in n.all_input_nodes)
+    q, kv = sorted((u for u in split.users), key=lambda u: u.args[1])
+    assert q in grads.f_edges and kv not in grads.f_edges
+
+
 def test_without_sequence_parallelism_the_block_input_gets_an_f():
     class Block(nn.Module):
         def __init__(self):
