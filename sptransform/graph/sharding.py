@@ -491,6 +491,8 @@ def split_input_spec(node: fx.Node, chunk_specs: dict[int, DimShard | None]) -> 
     d = split_dim(node)
     chunks = split_chunks(node)
     wanted = [chunk_specs.get(i) for i in range(len(chunks))]
+    if packet(node) is aten.unbind:  # chunk dims from d on sit one higher in the input
+        wanted = [s.with_dim(s.dim + 1) if s is not None and s.dim >= d else s for s in wanted]
     if all(s is None for s in wanted):
         return None
     other = {s for s in wanted if s is not None and s.dim != d}
@@ -510,6 +512,8 @@ def split_output_specs(node: fx.Node, spec: DimShard) -> list[DimShard]:
     d = split_dim(node)
     chunks = split_chunks(node)
     if spec.dim != d:
+        if packet(node) is aten.unbind and spec.dim > d:  # unbind removes dim d: later dims move down
+            return [spec.with_dim(spec.dim - 1)] * len(chunks)
         return [spec] * len(chunks)
     result = []
     for offset, size in chunks:

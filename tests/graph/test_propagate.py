@@ -39,7 +39,7 @@ def _run(module, args, seeds: dict[str, object], *, tp=2, seq=None, split_biases
 
 
 def _node(gm, op):
-    return next(n for n in gm.graph.nodes if n.op == "call_function" and n.target.overloadpacket is op)
+    return next(n for n in gm.graph.nodes if n.op == "call_function" and getattr(n.target, "overloadpacket", None) is op)
 
 
 def _moves(prop):
@@ -166,6 +166,27 @@ def test_a_fused_weight_split_into_a_sequence_split_part_and_a_whole_part_sums_t
     split = next(n for n in gm.graph.nodes if n.op == "call_function" and w in n.all_input_nodes)
     q, kv = sorted((u for u in split.users), key=lambda u: u.args[1])
     assert q in grads.f_edges and kv not in grads.f_edges
+
+
+def test_unbind_moves_a_split_below_the_removed_dim_down_by_one():
+    """timm's attention: ``qkv.reshape(B, N, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)`` with the
+    heads split: the heads sit on dim 2 of the stacked tensor and on dim 1 of q, k and v (the rule
+    kept dim 2, and the model was refused with a size mismatch)."""
+
+    class Fused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(8, 24, bias=False)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).reshape(2, 4, 3, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)
+            return q * k + v
+
+    gm, prop, grads, names = _run(Fused(), (torch.randn(2, 4, 8),),
+                                  {"qkv.weight": DimShard(0, ((0, 8), (8, 8), (16, 8)))})
+    unbind = _node(gm, aten.unbind)
+    assert prop.placement[unbind] == (DimShard(1, ((0, 2),)),) * 3
+    assert prop.placement[_node(gm, aten.add)].dim == 1
 
 
 def test_without_sequence_parallelism_the_block_input_gets_an_f():
