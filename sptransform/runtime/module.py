@@ -45,7 +45,7 @@ from sptransform.graph.sharding import DimShard
 from sptransform.options import ParallelOptions
 from sptransform.runtime.zero import data_parallel_placement, regather_saved
 from sptransform.runtime.params import (
-    call_defaults, contiguous_stride, device_of, get_by_path, placement_of, set_by_path, shard_parameter,
+    call_defaults, contiguous_stride, device_of, get_by_path, held_share, placement_of, set_by_path, shard_parameter,
 )
 from sptransform.runtime.checks import (
     VocabCheck, check_call, check_vocab, fingerprint, gather_fingerprints, leaf_names, raise_if_disagree, vocab_checks,
@@ -448,6 +448,11 @@ class ParallelModule(nn.Module):
 
     def explain(self) -> str:
         return explain(self._last, self._options)
+
+    def held_share(self) -> float:
+        """Share of the model's parameter bytes this rank stores (``runtime.params.held_share``):
+        ~1/tp when the big weights are split, 1.0 when nothing is."""
+        return held_share(self)
 
 
 ONE_STAGE_SCHEDULES = ("1f1b", "gpipe")

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from sptransform.graph.sharding import DimShard
 from sptransform.runtime.collectives import note_gradient
-from sptransform.torch_internals import StridedShard, local_tensor_mode
+from sptransform.torch_internals import StridedShard, local_tensor_mode, local_values
 
 
 def device_of(model: nn.Module) -> torch.device:
@@ -29,6 +29,23 @@ def call_defaults(model: nn.Module) -> dict:
     take it (HF), since a KV cache of split heads is not something a training step returns."""
     parameters = inspect.signature(model.forward).parameters
     return {"use_cache": False} if "use_cache" in parameters else {}
+
+
+def held_share(module: nn.Module) -> float:
+    """Bytes of parameters this rank stores / bytes of the whole parameters (tied ones once), measured
+    on the tensors: a DTensor counts its local shard against its global size, a plain tensor counts
+    whole. ``1/tp`` when every weight is split; 1.0 when nothing is (equal, and useless for memory).
+    Under simulated ranks, the largest rank's shard."""
+    held = whole = 0
+    for p in module.parameters():
+        size = p.element_size()
+        whole += p.numel() * size
+        if isinstance(p, DTensor):
+            values = local_values(p.to_local())  # simulated ranks: each rank's shard
+            held += (max(v.numel() for v in values.values()) if values else p.to_local().numel()) * size
+        else:
+            held += p.numel() * size
+    return held / whole if whole else 1.0
 
 
 def placement_of(spec: DimShard | None) -> object:
