@@ -154,10 +154,24 @@ def check_local_shapes(gm: fx.GraphModule, prop: Propagation, nodes: list[fx.Nod
                     continue
                 want = list(_local_value(mode.from_tensor(value), placement, plan.tp).shape)
                 if list(got.shape) != want:
+                    why = ("a size argument sptransform does not localize" if _has_size_argument(node) else
+                           "the placement rule for this op disagrees with what the op computes: a bug in "
+                           "sptransform's rule, please report it; sp=False or another tp may avoid it")
                     problems.append(f"{describe(node)}: its local output has shape {list(got.shape)}, its placement "
-                                    f"{placement} needs {want} (a size argument sptransform does not localize)")
+                                    f"{placement} needs {want} ({why})")
+                    break  # one line per op, not one per output
     if problems:
         raise ShardingError("the parallel graph would compute on wrong shapes; no rule covers:\n  " + "\n  ".join(problems))
+
+
+def _has_size_argument(node: fx.Node) -> bool:
+    """Whether the op takes sizes (``view``'s shape, ``expand``'s sizes, ``split``'s lengths): a list of
+    ints among its arguments, or a single int it reads as a size."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return False
+    return any(str(a.type) in ("List[int]", "int", "Optional[int]") and not a.name.startswith("dim")
+               for a in schema.arguments)
 
 
 _SKIP_SHAPE_CHECK = (narrow_vocab,)  # rank-dependent width: checked by the output's DTensor
