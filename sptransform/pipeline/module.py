@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
@@ -57,6 +58,14 @@ from sptransform.runtime.rng import RngState
 from sptransform.pipeline.schedule import fully_stored, schedule_spec
 from sptransform.pipeline.stage import StageModule, _FreeingStage, _Stage
 from sptransform.torch_internals import functorch_config, pytree
+
+
+def _loss_dtype(plan: PipelinePlan) -> torch.dtype:
+    """The dtype of the loss the last stage returns, read from its graph (every rank holds every
+    stage's graph): what a rank that does not compute the loss receives it in."""
+    output = plan.stages[-1].gm.graph.find_nodes(op="output")[0]
+    value = next((leaf.meta.get("val") for leaf in pytree.tree_leaves(output.args[0]) if isinstance(leaf, fx.Node)), None)
+    return value.dtype if isinstance(value, torch.Tensor) else torch.get_default_dtype()
 
 
 class _MicrobatchMean:
@@ -118,6 +127,7 @@ class PipelinedModule(nn.Module):
         self._runs = {self._mode_key(): self._make_run(self.pipeline_plan)}
         self._tied_groups = self._tied_gradient_groups()
         self._target = torch.zeros(pipeline.n_microbatches, device=self._device)
+        self._loss_dtype = _loss_dtype(self.pipeline_plan)
         self._state_dtypes = self._dtypes()
         captured = graph.captured
         self._vocab_checks = vocab_checks(captured.gm, len(captured.state_names), captured.num_user_inputs,
@@ -331,8 +341,8 @@ class PipelinedModule(nn.Module):
         last_rank = self.pipeline_plan.stage_rank[-1]
         if self._pp_rank == last_rank:
             loss = torch.stack([l.detach() for l in losses]).sum()
-        else:
-            loss = torch.zeros((), device=self._device)
+        else:  # the loss's dtype as the last stage's graph computes it (a float64 model's loss is float64)
+            loss = torch.zeros((), dtype=self._loss_dtype, device=self._device)
         dist.broadcast(loss, src=dist.get_global_rank(self._pp_group, last_rank), group=self._pp_group)
         return loss
 

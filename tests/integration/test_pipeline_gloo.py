@@ -43,6 +43,8 @@ def _worker(rank: int, world: int, port: int, cases: list[tuple]) -> None:
         for case in cases:  # one process group for all cases: spawning is the slow part
             if case[0] == "dropout":
                 _recompute_replays_dropout_exactly(*case[1:])
+            elif case[0] == "dtype":
+                _loss_crosses_stages_in_the_models_dtype(*case[1:])
             else:
                 _train_and_compare(*case)
         dist.barrier()  # no rank tears its connections down while another still uses them
@@ -86,6 +88,30 @@ def _train_and_compare(kind: str, tp: int, pp: int, schedule: str, stages_per_ra
     if schedule == "1f1b":  # non-last stages send their residual stream and free it
         last = pm.pipeline_plan.options.num_stages - 1
         assert all(m.saved_outputs == set() for m in pm.stage_modules if m.index != last)
+
+
+def _loss_crosses_stages_in_the_models_dtype(dtype: str) -> None:
+    """A model whose loss is float64 (or bfloat16): the loss the last stage broadcasts is received in
+    the graph's dtype (it was received as float32: gloo aborted the process, 8 vs 4 bytes)."""
+    import sptransform
+    from sptransform.copying import faithful_deepcopy
+    from tiny_models import TinyConfig, TinyLM
+
+    torch.manual_seed(0)
+    model = TinyLM(TinyConfig(layers=2, vocab=64)).to(getattr(torch, dtype))
+    ref = faithful_deepcopy(model)
+    ids, targets = torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))
+    pm = sptransform.parallelize(model, tp=1, pp=2, n_microbatches=2, example_inputs=(ids, targets), compile="eager")
+    loss = pm.step(ids, targets)
+    ref_loss = ref(ids, targets)
+    ref_loss.backward()
+    assert loss.dtype == ref_loss.dtype, (loss.dtype, ref_loss.dtype)
+    tol = dict(rtol=1e-9, atol=1e-12) if dtype == "float64" else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(loss, ref_loss.detach(), **tol)
+    ref_params = dict(ref.named_parameters())
+    for name, p in pm.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad, **tol,
+                                   msg=lambda m, n=name: f"{dtype} grad of {n}: {m}")
 
 
 def _recompute_replays_dropout_exactly(tp: int, pp: int, schedule: str, stages_per_rank: int | None,
@@ -133,7 +159,7 @@ SUMMED, COLOCATED, NONE = "gradients summed over those ranks every step", "(co-l
              ("gpt2", 1, 2, "interleaved1f1b", 2, SUMMED), ("gpt2", 1, 2, "zbv", 2, COLOCATED),
              ("gpt2", 1, 2, "1f1b", None, SUMMED, "full"), ("llama", 1, 2, "zbv", 2, NONE, "selective"),
              ("dropout", 1, 2, "1f1b", None, "full"), ("dropout", 1, 2, "zbv", 2, 0.5),
-             ("gpt2", 1, 2, "1f1b", None, SUMMED, "full", 1)]),
+             ("gpt2", 1, 2, "1f1b", None, SUMMED, "full", 1), ("dtype", "float64"), ("dtype", "bfloat16")]),
         (4, [("gpt2", 1, 4, "1f1b", None, SUMMED), ("gpt2", 2, 2, "1f1b", None, SUMMED),
              ("llama", 2, 2, "interleaved1f1b", 2, NONE), ("gpt2", 2, 2, "1f1b", None, SUMMED, "selective"),
              ("dropout", 2, 2, "interleaved1f1b", 2, "full", 1)]),
