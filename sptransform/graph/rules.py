@@ -75,7 +75,7 @@ class Decision:
     """Which rule decided: ``replicated``, ``ours``, ``dtensor`` or ``gather``."""
 
 
-_VIEWS = {aten.view, aten.reshape, aten._unsafe_view}
+_VIEWS = {aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten}
 _PASS_PARTIAL = {  # ops that only move data (or cast it): a partial sum passes through unreduced
     aten.clone, aten.contiguous, aten.alias, aten.detach, aten.to, aten._to_copy, aten.type_as,
     aten.transpose, aten.t, aten.numpy_T, aten.mT, aten.permute, aten.unsqueeze, aten.squeeze, aten.expand,

@@ -138,6 +138,10 @@ def _move_through_group(spec: DimShard, src_sizes, src_pos, dst_sizes, dst_dims,
         for o in range(outer)
         for s, length in spec.segments
     ]
+    # Several dims can carry the split when some are tp's multiple only by accident of tp (a batch
+    # of 2 merged with heads, at tp=1 or 2): take the one whose pieces are largest, so that the
+    # answer does not depend on tp (the region walk asks at tp=1 first).
+    candidates = []
     for q, dim in enumerate(dst_dims):
         q_size = dst_sizes[q]
         if q_size == 1:
@@ -160,8 +164,9 @@ def _move_through_group(spec: DimShard, src_sizes, src_pos, dst_sizes, dst_dims,
             continue
         patterns = {tuple(v) for v in per_outer.values()}
         if len(patterns) == 1:
-            return DimShard(dim, patterns.pop())
-    return None
+            pattern = patterns.pop()
+            candidates.append((min(length for _, length in pattern), -q, DimShard(dim, pattern)))
+    return max(candidates, key=lambda c: c[:2])[2] if candidates else None
 
 
 def reshape_spec(spec: DimShard, src_shape, dst_shape, tp: int) -> DimShard | None:
