@@ -51,3 +51,17 @@ def test_position_embedding_of_vocab_size_is_not_vocab_parallel():
     config = TinyConfig(vocab=64, max_len=64, tied=False)  # positions table as big as the vocab
     analysis = _analyze(TinyLM(config), _ids((2, 8), vocab=64))
     assert [e.weight_name for e in analysis.vocab_embeddings] == ["tok.weight"]
+
+
+def test_multihead_attentions_fused_in_proj_is_split_per_head_in_q_k_v_segments():
+    """``nn.MultiheadAttention``: ``linear(x, in_proj_weight)``, ``unflatten(-1, [3, E])``, the heads
+    merged with the batch (``view [S, B*H, D]``). The walk at tp=1 took the batch dim of 2 for the
+    heads and the in_proj linear was left whole."""
+    from models.encoders import TorchEncoder, inputs
+
+    analysis = _analyze(TorchEncoder(), inputs())
+    attention = [r for r in analysis.regions if r.kind == "attention"]
+    assert len(attention) == 2
+    (spec,) = attention[0].columns.values()
+    assert spec == DimShard(2, ((0, 32), (32, 32), (64, 32)))  # [q|k|v], each split per head
+    assert attention[0].row.weight_name == "enc.layers.0.self_attn.out_proj.weight"
