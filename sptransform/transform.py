@@ -215,8 +215,9 @@ def rank_cache_tag() -> str:
     caches (``TORCHINDUCTOR_CACHE_DIR``), and a real rank's graph may be specialised on its
     rank (``narrow_vocab``'s width is a constant of it). Today every such value is written
     into the graph's code, which the keys read; keyed by rank as well, a rank never loads what
-    another compiled even where a future specialisation hides from the key. A rank's second
-    run still loads its own graphs."""
+    another compiled even where a future specialisation hides from the key; a rank's second
+    run can still load its own. (torch 2.13's FX graph cache bypasses these partitioned graphs,
+    seen on tp=2 GPT-2: the tag guards a torch that caches them.)"""
     tag = torch.compiler.config.cache_key_tag
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return tag
