@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 from sptransform.capture import FakeTemplate, capture
@@ -193,16 +194,43 @@ def graph_compilers(compile: GraphCompiler, num_user_outputs: int, module: torch
     """The forward and backward compilers AOTAutograd hands the partitioned graphs to:
     ``"eager"`` runs them op by op; ``"inductor"`` decomposes each with inductor's table and
     generates fused kernels (C++ on CPU, Triton on GPU). Either way the graphs are the
-    partition's: inductor compiles them as given and does not partition again. With
-    ``overlap``, each graph's collectives are first issued early and waited on late
-    (``passes.overlap.schedule_collectives``)."""
+    partition's: inductor compiles them as given and does not partition again, keyed by rank
+    in torch's on-disk caches (``rank_cache_tag``). With ``overlap``, each graph's
+    collectives are first issued early and waited on late (``passes.overlap.schedule_collectives``)."""
     if compile == "eager":
         compilers = eager_compiler, eager_compiler
     elif compile == "inductor":
         compilers = inductor_graph_compilers(num_user_outputs, module if isinstance(module, fx.GraphModule) else None)
+        compilers = tuple(_keyed_by_rank(c, rank_cache_tag()) for c in compilers)
     else:
         raise ValueError(f"compile={compile!r}: use one of {list(GRAPH_COMPILERS)}")
     return tuple(_scheduled(c) for c in compilers) if overlap else compilers
+
+
+def rank_cache_tag() -> str:
+    """``torch.compiler.config.cache_key_tag`` with this process's rank added
+    (``"sptransform rank 3/8"``; unchanged without a process group of several ranks). The
+    on-disk caches of torch's compile path (inductor's FX graph cache, AOTAutograd's cache,
+    the autotuning cache) put the tag into their keys. The ranks of one machine share those
+    caches (``TORCHINDUCTOR_CACHE_DIR``), and a real rank's graph may be specialised on its
+    rank (``narrow_vocab``'s width is a constant of it). Today every such value is written
+    into the graph's code, which the keys read; keyed by rank as well, a rank never loads what
+    another compiled even where a future specialisation hides from the key; a rank's second
+    run can still load its own. (torch 2.13's FX graph cache bypasses these partitioned graphs,
+    seen on tp=2 GPT-2: the tag guards a torch that caches them.)"""
+    tag = torch.compiler.config.cache_key_tag
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return tag
+    return f"{tag}|sptransform rank {dist.get_rank()}/{dist.get_world_size()}".lstrip("|")
+
+
+def _keyed_by_rank(compiler, tag: str):
+    """``compiler`` run with ``tag`` as the compile caches' key tag (``rank_cache_tag``): set
+    for that one compile (AOTAutograd compiles the backward lazily, at the first backward)."""
+    def compile_graph(gm: fx.GraphModule, example_inputs):
+        with torch.compiler.config.patch(cache_key_tag=tag):
+            return compiler(gm, example_inputs)
+    return compile_graph
 
 
 def _scheduled(compiler):
