@@ -460,3 +460,61 @@ def test_cli_argparse_errors_exit_2_without_traceback(capsys):
     err = capsys.readouterr().err
     assert err.startswith("sptransform verify: error: argument --tp") and err.count("\n") == 1
     assert "Traceback" not in err
+
+
+# -- real processes -----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_default_runs_real_gloo_processes_and_says_so():
+    model = gpt2()
+    report = sptransform.verify(model, tp=2)
+    assert report.ok and report.ranks == "processes" and (report.processes, report.backend) == (2, "gloo"), str(report)
+    assert str(report).splitlines()[0].startswith("sptransform.verify: tp=2 sp=True, real gloo processes (2), ")
+    assert {row.name for row in report.rows if row.kind == "grad"} == {n for n, _ in model.named_parameters()}
+    assert any("train() mode" in note for note in report.notes)  # dropout compared with reference masks
+    _no_state_left()
+
+
+@pytest.mark.slow
+def test_data_parallel_groups_train_on_their_pieces_of_the_batch(models):
+    module, _ = models
+    model, (ids, targets) = module.rms()
+    inputs = (torch.cat([ids, ids.flip(0)]), torch.cat([targets, targets.flip(0)]))  # 4 rows: 2 per group
+    report = sptransform.verify(model, tp=1, dp=2, example_inputs=inputs)
+    assert report.ok and report.processes == 2, str(report)
+    assert "tp=1 dp=2 sp=True, real gloo processes (2)" in str(report).splitlines()[0]
+
+
+@pytest.mark.slow
+def test_cli_inside_torchrun_runs_on_the_jobs_ranks():
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), os.environ.get("PYTHONPATH")])), "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "-m", "sptransform", "verify", "--model", "gpt2-tiny", "--tp", "2", "--layers", "1", "--processes"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # rank 0 prints the one report; the ranks are the job's own (nothing spawned inside)
+    assert done.stdout.count("sptransform.verify: tp=2 sp=True, real gloo processes (2)") == 1, done.stdout
+    assert "note: ran on the caller's process group (2 ranks)" in done.stdout
+    assert "verdict: EQUAL" in done.stdout
+
+
+@pytest.mark.slow
+def test_moe_fake_tensor_meta_errors_are_not_printed(capfd):
+    """Qwen3-MoE's experts run torch._grouped_mm, whose meta kernel refuses float32 ("Expected inputs
+    of BF16 type"); fake-tensor propagation logs that with a traceback, then falls back. verify's
+    output is its report."""
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "tools"))
+    import sweep_transformers
+
+    target = sweep_transformers.Target(layers=1, hidden=32, heads=4, kv_heads=2, intermediate=64, vocab=96)
+    model, _, _ = sweep_transformers.build("qwen3_moe", "Qwen3MoeForCausalLM", target)
+    capfd.readouterr()
+    report = sptransform.verify(model, tp=2, example_inputs=sweep_transformers.token_inputs(model), processes=False)
+    out, err = capfd.readouterr()
+    assert report.status in ("equal", "different", "refused")
+    assert "failed while attempting to run meta" not in out + err and "BF16" not in out + err, err[-2000:]

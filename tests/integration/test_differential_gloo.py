@@ -13,6 +13,7 @@ installed. Every real case runs in ONE spawn of 2 processes (spawning is the slo
 
 from __future__ import annotations
 
+
 import functools
 import math
 import os
@@ -24,6 +25,7 @@ import pytest
 import torch
 
 from models import shared_weights, zoo
+from sptransform.copying import faithful_deepcopy
 from sptransform.equivalence import rel_error
 from sptransform.verify_ranks import ParallelCase, ParallelRun, Record, run_processes, run_reference, run_simulated
 
@@ -37,6 +39,22 @@ pytestmark = pytest.mark.slow
 TP = 2
 SIM_VS_REAL = 1e-12
 VS_REFERENCE = 1e-9
+FLOAT32_INSIDE = {
+    "shared:cast": "the weight is cast to float32 and back: its gradient is rounded to float32 on the way",
+    "zoo:llama_reference": "complex64 rotary (x.float() before view_as_complex)",
+    "hf:llama": "transformers' ForCausalLMLoss upcasts logits with .float(); rotary in float32",
+    "hf:qwen2": "transformers' ForCausalLMLoss upcasts logits with .float(); rotary in float32",
+    "hf:gemma": "transformers' ForCausalLMLoss upcasts logits with .float(); rotary in float32",
+    "hf:gpt2": "transformers' ForCausalLMLoss upcasts logits with .float()",
+}
+"""Models that compute part of a float64 run in float32: equal to the reference at float32's
+precision (1e-6) only; simulated and real ranks still agree to SIM_VS_REAL."""
+REFUSED = {
+    "shared:partial": "lifted_tensor_0",
+}
+"""Models ``parallelize`` refuses today, on both engines alike (the message must be the same):
+a parameter held by a ``functools.partial`` on the module reaches export as a constant it
+lifts, and capture asks for a buffer instead."""
 ZOO_SAMPLE = ["llama_reference", "einsum_attention", "matmul_masked_softmax", "fused_qkv_grouped", "tied_flinear",
               "moe_scatter", "sequence_first"]
 HF_SAMPLE = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -113,6 +131,10 @@ def results() -> dict[str, Result]:
         references[model.name] = reference
         cases[model.name] = ParallelCase(module, args, kwargs, tp=TP, sp=True, steps=1, loss=loss, build=model.build)
     simulated = {name: run_simulated(case) for name, case in cases.items()}
+    for name, run in simulated.items():  # reference-mode dropout refused (fused SDPA dropout): eval() on both
+        if run.evaluated:
+            case = cases[name]
+            references[name], _ = run_reference(faithful_deepcopy(case.model).eval(), case.args, case.kwargs, steps=1)
     start = time.monotonic()
     real = dict(zip(cases, run_processes(list(cases.values()), timeout_s=600)))
     seconds = time.monotonic() - start
@@ -138,6 +160,9 @@ def test_simulated_and_real_ranks_agree_and_equal_the_reference(results, name):
         pytest.importorskip("x_transformers")
     result = results[name]
     sim, real = result.simulated, result.real
+    if name in REFUSED:
+        assert sim.refused == real.refused and REFUSED[name] in (sim.refused or ""), (sim.refused, real.refused)
+        return
     assert (sim.refused, sim.error) == (None, None), f"simulated: {sim.refused or sim.error}"
     assert (real.refused, real.error) == (None, None), f"real: {real.refused or real.error}"
     assert sim.evaluated == real.evaluated
@@ -147,7 +172,8 @@ def test_simulated_and_real_ranks_agree_and_equal_the_reference(results, name):
         expected = dict(reference[kind])
         scale = _scale(expected.values())
         got_sim, got_real = dict(simulated[kind]), dict(processes[kind])
-        assert set(got_sim) == set(got_real) == set(expected), kind
+        # the parallel records name a tied parameter under each of its names; the reference once
+        assert set(got_sim) == set(got_real) >= set(expected), kind
         for key, want in expected.items():
             if got_real[key] is None or got_sim[key] is None:
                 assert got_real[key] is None and got_sim[key] is None and want is None, key
@@ -159,8 +185,9 @@ def test_simulated_and_real_ranks_agree_and_equal_the_reference(results, name):
                           "simulated vs reference": rel_error(sim_value, want, scale),
                           "real vs reference": rel_error(real_value, want, scale)}
                 limits = {"simulated vs real": SIM_VS_REAL}
+                vs_reference = 1e-6 if name in FLOAT32_INSIDE else VS_REFERENCE
                 for what, error in errors.items():
-                    if not error <= limits.get(what, VS_REFERENCE):
+                    if not error <= limits.get(what, vs_reference):
                         failures.append(f"{kind} {key} rank {rank}: {what} {error:.1e}")
     assert not failures, f"{name}: " + "; ".join(failures[:10])
     assert math.isfinite(result.seconds)
