@@ -1,6 +1,6 @@
 """sptransform: graph passes that parallelize an unmodified single-device transformer.
 
-    report = sptransform.verify(model, tp=8)       # simulated ranks: equal to the original?
+    report = sptransform.verify(model, tp=8)       # on 8 gloo processes: equal to the original?
     model = sptransform.parallelize(model, tp=8)   # on every rank of a torchrun job
 """
 

@@ -4,21 +4,19 @@
     print(report)            # one row per output, gradient and updated parameter
     assert report.ok
 
-The ``tp`` ranks are simulated in this one process (a fake process group plus
-``LocalTensorMode``: every rank's values exist side by side, collectives are exact), so
-nothing needs launching and no accelerator is needed. The parallel model, built by
-``parallelize(copy, tp=..., sp=..., dropout_rng="reference")``, and an unmodified deep copy
-of the model run the same inputs for ``steps`` training steps, and each of these is compared
-on every simulated rank:
+The parallel model, built by ``parallelize(copy, tp=..., sp=..., dropout_rng="reference")``,
+and an unmodified copy of the model run the same inputs for ``steps`` training steps, and each
+of these is compared on every rank:
 
 * every output (a DTensor output, e.g. vocab-sharded logits, through ``full_tensor()``);
 * every parameter's gradient;
 * every parameter after ``steps`` optimizer steps.
 
-With ``pp > 1`` the ``pp * tp`` ranks are real processes on gloo (CPU), spawned here and
-bounded by ``timeout_s``; see ``verify``'s docstring.
+The ranks are real gloo processes spawned here by default, or simulated in this one process
+(``processes=False``), or the ranks of the caller's ``torchrun`` job; ``sptransform.verify_ranks``
+runs them, and ``verify``'s docstring says which runs when.
 
-Relative error of one compared tensor ``a`` (parallel; the worst over the simulated ranks)
+Relative error of one compared tensor ``a`` (parallel; the worst over the ranks)
 against ``b`` (single device)::
 
     rel_error = max|a - b| / max(max|b|, FLOOR * scale)
@@ -34,36 +32,26 @@ output's and a gradient's row keeps its worst step.
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 import inspect
 import math
-import os
-import tempfile
-import traceback
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from sptransform.api import normalize_example_inputs, parallelize
+from sptransform.api import normalize_example_inputs
 from sptransform.copying import faithful_deepcopy
 from sptransform.runtime.params import call_defaults
-from sptransform.torch_internals import (
-    FakeStore, LocalTensor, LocalTensorMode, StridedShard, local_tensor_mode, maybe_disable_local_tensor_mode,
+from sptransform.torch_internals import local_tensor_mode, quiet_fake_tensor_meta_failures
+from sptransform.verify_ranks import (
+    LR, SEED, NotPortable, ParallelCase, ParallelRun, Record, run_on_group, run_processes, run_reference,
+    run_simulated, split_batch,
 )
 
 FLOOR = 1e-3
 """See the module docstring: the denominator is at least ``FLOOR`` times the kind's largest value."""
-LR = 1e-2
-"""Learning rate of the SGD steps."""
-_SEED = 1234
-"""Seed of the default inputs; each step reseeds with ``_SEED + 1 + step`` on both sides
-(so reference-mode dropout masks are drawn alike)."""
 
 
 @dataclass(frozen=True)
@@ -96,8 +84,16 @@ class VerifyReport:
     tp: int = 1
     sp: bool = True
     pp: int = 1
+    dp: int = 1
     steps: int = 1
     rtol: float = 1e-4
+    ranks: Literal["simulated", "processes"] = "simulated"
+    """Where the parallel model ran: ranks simulated in one process (``LocalTensorMode``), or
+    real processes (spawned by verify, or the caller's ``torchrun`` job)."""
+    processes: int = 0
+    """With ``ranks="processes"``: how many (``dp * pp * tp``)."""
+    backend: str | None = None
+    """With ``ranks="processes"``: their process group's backend (``"gloo"`` when spawned)."""
 
     @property
     def ok(self) -> bool:
@@ -105,12 +101,21 @@ class VerifyReport:
         return self.status == "equal"
 
     @property
+    def engine(self) -> str:
+        """What ran the parallel ranks, in words: ``real gloo processes (2)`` or ``simulated ranks
+        (LocalTensorMode)``."""
+        if self.ranks == "processes":
+            return f"real {self.backend} processes ({self.processes})"
+        return "simulated ranks (LocalTensorMode)"
+
+    @property
     def failing(self) -> list[VerifyRow]:
         return [row for row in self.rows if not row.ok]
 
     def __str__(self) -> str:
-        layout = f"tp={self.tp}" + (f" pp={self.pp}" if self.pp > 1 else "") + f" sp={self.sp}"
-        lines = [f"sptransform.verify: {layout}, {self.steps} SGD step{'s' if self.steps != 1 else ''}, "
+        layout = (f"tp={self.tp}" + (f" pp={self.pp}" if self.pp > 1 else "") + (f" dp={self.dp}" if self.dp > 1 else "")
+                  + f" sp={self.sp}")
+        lines = [f"sptransform.verify: {layout}, {self.engine}, {self.steps} SGD step{'s' if self.steps != 1 else ''}, "
                  f"rtol {self.rtol:g}"]
         if self.rows:
             header = ("name", "kind", "placement", "rel error", "ok")
@@ -147,22 +152,50 @@ def verify(
     tp: int,
     sp: bool = True,
     pp: int = 1,
+    dp: int = 1,
     example_inputs: Any = None,
     steps: int = 1,
     rtol: float = 1e-4,
     timeout_s: float = 600.0,
+    processes: bool | None = None,
 ) -> VerifyReport:
-    """Compare ``parallelize(copy of model, tp=..., sp=..., pp=...)`` with the model itself.
+    """Compare ``parallelize(copy of model, tp=..., sp=..., pp=..., dp=...)`` with the model itself.
 
-    ``model`` is never modified (both sides run deep copies). ``example_inputs`` takes the
-    forms ``parallelize`` takes (tuple of args, dict of kwargs, ``(args, kwargs)``); omitted,
-    token ids as ``parallelize`` builds them (``api.default_token_ids``: ``[2, 8*tp]``), passed
-    as the first input, plus ``labels=`` the same ids when ``forward`` takes ``labels`` (HF),
-    so that the model computes its loss. The same inputs run every step.
+    ``model`` is never modified (both sides run copies, ``faithful_deepcopy``). ``example_inputs``
+    takes the forms ``parallelize`` takes (tuple of args, dict of kwargs, ``(args, kwargs)``);
+    omitted, token ids as ``parallelize`` builds them (``api.default_token_ids``: ``[2, 8*tp]``,
+    ``dp`` such batches with ``dp > 1``), passed as the first input, plus ``labels=`` the same
+    ids when ``forward`` takes ``labels`` (HF), so that the model computes its loss. The same
+    inputs run every step.
 
-    **Loss.** What is back-propagated on both sides: the first output that is a 0-dim
-    floating tensor (HF's ``.loss``); if there is none, ``sum()`` of the first floating
-    output (a DTensor output is summed as a DTensor, whose backward is the same).
+    **Where the ranks run** (``processes``; the report's first line says which ran):
+
+    * ``None`` (default): real processes, ``dp * pp * tp`` of them, spawned here on gloo (CPU;
+      start method ``spawn``: the model and inputs are pickled to them, so the model's classes
+      must be importable by module name). A model that cannot be sent (pickle refuses it, e.g.
+      a lambda stored on a module, or its class is defined in ``__main__``) is verified on
+      simulated ranks instead when pp = dp = 1, with a note saying why; with pp or dp > 1 that
+      is a ``ValueError``.
+    * ``True``: real processes; a model that cannot be sent is a ``ValueError``.
+    * ``False``: simulated ranks: ``tp`` ranks in this one process (a fake process group plus
+      ``LocalTensorMode``: every rank's values side by side, collectives exact); pp = dp = 1 only.
+
+    Inside a job whose process group is already initialized (``torchrun``), nothing is spawned:
+    every rank of the job must call ``verify`` with the same arguments, the job's world size must
+    be ``dp * pp * tp``, and each rank runs its part on the job's own process group (its backend
+    and devices; ``timeout_s`` does not apply, the group's own timeout does); every rank returns
+    the same report. ``processes=False`` is refused there (the simulated ranks need their own
+    fake process group).
+
+    Spawned processes are bounded by ``timeout_s`` (also their process group's timeout): when they
+    do not finish in time they are killed and ``TimeoutError`` is raised.
+
+    **What is compared.** Every output (a DTensor output, e.g. vocab-sharded logits, gathered),
+    every parameter's gradient, every parameter after ``steps`` SGD steps, on every rank,
+    against the reference; one row each in the report. **Loss.** What is back-propagated on both
+    sides: the first output that is a 0-dim floating tensor (HF's ``.loss``); if there is none,
+    ``sum()`` of the first floating output (a DTensor output is summed as a DTensor, whose
+    backward is the same).
 
     **Optimizer.** Plain SGD (lr ``LR``, no momentum). Its update is linear in the gradient,
     so a parameter after ``steps`` differs from the reference by ``lr`` times the gradients'
@@ -177,17 +210,18 @@ def verify(
     fused attention kernel, e.g. SDPA with ``dropout_p > 0``), the report says so in
     ``notes`` and both sides are compared in ``eval()`` mode instead.
 
-    **pp > 1.** ``LocalTensorMode`` cannot run torch's pipelining, so ``pp * tp`` gloo
-    processes are spawned on CPU (start method ``spawn``: the model and inputs are pickled
-    to them, so the model's classes must be importable). They run ``pm.step()`` with
-    ``n_microbatches = pp`` (1 when the batch does not split evenly) and the default
-    schedule (1F1B); every rank reports the loss, the gradients and parameters it holds
-    (gathered over tp), and each is compared with the reference. Rows: ``loss`` (the loss
-    ``step()`` returns, the batch mean of microbatch means), grads, parameters. Pipeline
-    ranks draw dropout masks per microbatch and per process, which no single-device run
-    reproduces, so a model in ``train()`` mode is compared in ``eval()`` mode (noted).
-    If the processes do not finish within ``timeout_s`` (also their process group's
-    timeout) they are killed and ``TimeoutError`` is raised.
+    **pp > 1.** ``pm.step()`` with ``n_microbatches = pp`` (1 when the batch does not split
+    evenly) and the default schedule (1F1B); every rank reports the loss, the gradients and
+    parameters it holds (gathered over tp). Rows: ``loss`` (the loss ``step()`` returns, the
+    batch mean of microbatch means), grads, parameters. Pipeline ranks draw dropout masks per
+    microbatch and per process, which no single-device run reproduces, so a model in
+    ``train()`` mode is compared in ``eval()`` mode (noted).
+
+    **dp > 1.** Each data-parallel group trains on its piece of the batch (dim 0 split into
+    ``dp`` equal pieces; ``ValueError`` when it does not split); the reference runs the same
+    pieces on one device and back-propagates the mean of their losses, which is what averaging
+    the groups' gradients computes. Each rank's outputs are compared with the reference's
+    outputs of its piece.
 
     **Errors.** A ``ValueError``/``TypeError`` from ``parallelize`` (or from the parallel
     model's first forward, where a new input shape is captured) is a refusal: status
@@ -196,64 +230,143 @@ def verify(
     set (it is sptransform's failure, not the model's). Exceptions from the unmodified
     model itself (on single device) propagate: the model must run before it can be
     compared. Bad arguments to ``verify`` raise ``ValueError``/``TypeError``, and so does
-    calling it in a process with an initialized process group (the simulated ranks need
-    their own fake one; run verify in a process without ``init_process_group``) or inside
-    an active ``LocalTensorMode``.
+    calling it inside an active ``LocalTensorMode``.
+
+    Torch's fake-tensor log records "failed while attempting to run meta for <op>" (logged
+    before a fallback that succeeds, e.g. ``grouped_mm`` in MoE experts on CPU) are dropped
+    while verify runs: its output is its report.
 
     The process group, ``LocalTensorMode`` and the default RNG state (``torch.random``) are
     as before the call when it returns or raises.
     """
-    _check_arguments(model, tp=tp, sp=sp, pp=pp, steps=steps, rtol=rtol, timeout_s=timeout_s)
-    if dist.is_available() and dist.is_initialized():
-        raise ValueError(
-            "sptransform.verify simulates the tp ranks in this process with its own fake process group, "
-            f"but a process group (backend {dist.get_backend()!r}, world size {dist.get_world_size()}) is "
-            "already initialized here: run verify in a process without init_process_group (e.g. before it, "
-            "or in a separate script), not inside a torchrun job"
-        )
-
+    _check_arguments(model, tp=tp, sp=sp, pp=pp, dp=dp, steps=steps, rtol=rtol, timeout_s=timeout_s,
+                     processes=processes)
     if local_tensor_mode() is not None:
         raise ValueError("sptransform.verify was called inside an active LocalTensorMode: call it outside")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(_SEED)
-        args, kwargs, notes = _inputs(model, example_inputs, tp)
+    on_group = dist.is_available() and dist.is_initialized()
+    if on_group:
+        _check_group(tp=tp, pp=pp, dp=dp, processes=processes)
+    elif processes is False and (pp > 1 or dp > 1):
+        raise ValueError(
+            f"processes=False simulates tensor-parallel ranks only, and {'pp' if pp > 1 else 'dp'}="
+            f"{pp if pp > 1 else dp} needs real processes (LocalTensorMode runs neither torch's pipelining nor "
+            "data-parallel meshes): pass processes=None or True"
+        )
+    with torch.random.fork_rng(devices=[]), quiet_fake_tensor_meta_failures():
+        torch.manual_seed(SEED)
+        args, kwargs, notes = _inputs(model, example_inputs, tp, dp)
+        fields = dict(tp=tp, sp=sp, pp=pp, dp=dp, steps=steps, rtol=rtol)
+        if pp > 1 and model.training:
+            model = faithful_deepcopy(model).eval()
+            notes.append("pp > 1: pipeline ranks draw dropout masks per microbatch and per process, which no "
+                         "single-device run reproduces: compared in eval() mode (dropout off)")
+        ref, loss_name = run_reference(model, args, kwargs, steps, dp=dp)
+        case = ParallelCase(model, args, kwargs, tp=tp, sp=sp, pp=pp, dp=dp, steps=steps, loss=loss_name,
+                            n_microbatches=_microbatches(args, kwargs, pp, dp))
+        run, fields["ranks"], fields["processes"], fields["backend"] = _run_parallel(
+            case, on_group=on_group, processes=processes, timeout_s=timeout_s, notes=notes)
+        if run.refused:
+            return VerifyReport(status="refused", worst=math.nan, error=run.refused, notes=notes, **fields)
+        if run.evaluated:
+            notes.append("parallelize refuses dropout_rng='reference' in train() mode (dropout inside a fused "
+                         "attention kernel); compared in eval() mode (dropout off) instead")
+            ref, loss_name = run_reference(faithful_deepcopy(model).eval(), args, kwargs, steps, dp=dp)
+        elif model.training:
+            notes.append("compared in train() mode; dropout masks, if any, are the single-device model's "
+                         "(dropout_rng='reference')")
         if pp > 1:
-            return _verify_pipeline(model, tp=tp, sp=sp, pp=pp, args=args, kwargs=kwargs, steps=steps, rtol=rtol,
-                                    timeout_s=timeout_s, notes=notes)
-        return _verify_simulated(model, tp=tp, sp=sp, args=args, kwargs=kwargs, steps=steps, rtol=rtol,
-                                 notes=notes)
+            notes.append(f"schedule 1F1B, {case.n_microbatches} microbatches")
+            ref.outputs = [{"loss": step.get(loss_name)} for step in ref.outputs]
+            loss_name += " (the pipeline's step() loss)"
+        notes.append(f"back-propagated: {loss_name}; optimizer: SGD lr={LR:g}")
+        notes.extend(run.record.plan_notes)
+        rows = _compare(ref, run.record, steps=steps, rtol=rtol, param_names=list(ref.params), group=pp * tp)
+        # a parameter some rank holds but no rank reported is a missing value: inf (from _compare)
+        return _report(rows, error=run.error, notes=notes, linears=run.record.linears, **fields)
+
+
+def _run_parallel(case: ParallelCase, *, on_group: bool, processes: bool | None, timeout_s: float,
+                  notes: list[str]) -> tuple[ParallelRun, str, int, str | None]:
+    """(the run, ``ranks``, the number of processes, their backend) on the engine ``processes`` asks for."""
+    if on_group:
+        notes.append(f"ran on the caller's process group ({case.world} ranks)")
+        return run_on_group([case])[0], "processes", case.world, dist.get_backend()
+    if processes is not False:
+        try:
+            return run_processes([case], timeout_s=timeout_s)[0], "processes", case.world, "gloo"
+        except NotPortable as why:
+            if processes or case.pp > 1 or case.dp > 1:
+                raise ValueError(
+                    f"real processes are spawned (start method 'spawn'), so the model must be picklable with its "
+                    f"classes importable by module name, and it is not: {why}; define the model in an importable "
+                    "module without lambdas" + ("" if case.pp > 1 or case.dp > 1 else
+                                                ", or pass processes=False for simulated ranks")
+                ) from None
+            notes.append(f"simulated ranks, not real processes: the model cannot be sent to spawned processes ({why})")
+    return run_simulated(case), "simulated", 0, None
+
+
+def _check_group(*, tp: int, pp: int, dp: int, processes: bool | None) -> None:
+    world, backend = dist.get_world_size(), dist.get_backend()
+    if processes is False:
+        raise ValueError(
+            f"processes=False simulates the ranks in this process with its own fake process group, but a process "
+            f"group (backend {backend!r}, world size {world}) is already initialized here: pass processes=None to "
+            "run on this job's ranks, or call verify in a process without init_process_group"
+        )
+    if world != dp * pp * tp:
+        raise ValueError(
+            f"verify inside a job runs on the job's ranks, and its world size {world} is not dp x pp x tp = "
+            f"{dp} x {pp} x {tp} = {dp * pp * tp}: choose tp, pp and dp whose product is {world}, or call verify "
+            "outside the job (it then spawns its own processes)"
+        )
+
+
+def _microbatches(args: tuple, kwargs: dict, pp: int, dp: int) -> int:
+    """pp microbatches of the local batch when it splits evenly, else 1."""
+    if pp == 1:
+        return 1
+    local_args, local_kwargs = split_batch(args, kwargs, dp)[0]
+    tensors = [x for x in (*local_args, *local_kwargs.values()) if isinstance(x, torch.Tensor)]
+    batch = tensors[0].shape[0] if tensors and tensors[0].dim() else 1
+    return pp if batch % pp == 0 else 1
 
 
 # -- arguments and inputs ---------------------------------------------------
 
 
-def _check_arguments(model, *, tp, sp, pp, steps, rtol, timeout_s) -> None:
+def _check_arguments(model, *, tp, sp, pp, dp, steps, rtol, timeout_s, processes) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"verify expects an nn.Module, got {type(model).__name__}")
-    for name, value in (("tp", tp), ("pp", pp), ("steps", steps)):
+    for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("steps", steps)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
         if value < 1:
             raise ValueError(f"{name}={value} must be at least 1")
     if not isinstance(sp, bool):
         raise TypeError(f"sp must be True or False, got {sp!r}")
+    if processes is not None and not isinstance(processes, bool):
+        raise TypeError(f"processes must be None (real processes where the model can be sent to them), True "
+                        f"(real processes) or False (simulated ranks), got {processes!r} ({type(processes).__name__})")
     for name, value in (("rtol", rtol), ("timeout_s", timeout_s)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ValueError(f"{name}={value!r} must be a finite number >= 0")
 
 
-def _inputs(model: nn.Module, example_inputs: Any, tp: int) -> tuple[tuple, dict, list[str]]:
-
+def _inputs(model: nn.Module, example_inputs: Any, tp: int, dp: int) -> tuple[tuple, dict, list[str]]:
+    """(args, kwargs, notes): the whole batch (dp pieces of it with dp > 1)."""
     notes = []
     args, kwargs = normalize_example_inputs(model, example_inputs, tp)
     if example_inputs is None:
-        ids = args[0]
+        ids = torch.cat([args[0], *(normalize_example_inputs(model, None, tp)[0][0] for _ in range(dp - 1))])
+        args = (ids,)
         notes.append(f"inputs: token ids of shape {list(ids.shape)} (api.default_token_ids)")
         if _takes(model, "labels"):
             kwargs["labels"] = ids
             notes[-1] += ", labels = the same ids"
     # the parallel model sets these (use_cache=False for HF) unless the caller does; so does the reference
     kwargs = {**call_defaults(model), **kwargs}
+    split_batch(tuple(args), kwargs, dp)  # a batch that does not split over dp is refused here
     return tuple(args), kwargs, notes
 
 
@@ -265,53 +378,12 @@ def _takes(model: nn.Module, name: str) -> bool:
     return name in parameters
 
 
-# -- outputs, loss and comparison -------------------------------------------
+# -- comparison -------------------------------------------------------------
 
 
-def _flatten(out: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    """(name, tensor) for every tensor of a model output: a tensor is ``output``, a mapping's
-    (HF ``ModelOutput``'s) entries their keys, a sequence's ``output[i]``."""
-    if isinstance(out, torch.Tensor):
-        return [(prefix or "output", out)]
-    if isinstance(out, Mapping):
-        found = []
-        for key, value in out.items():
-            found += _flatten(value, f"{prefix}.{key}" if prefix else str(key))
-        return found
-    if isinstance(out, (tuple, list)):
-        found = []
-        for i, value in enumerate(out):
-            found += _flatten(value, f"{prefix or 'output'}[{i}]")
-        return found
-    return []
-
-
-def _loss_of(named: list[tuple[str, torch.Tensor]], like: str | None = None) -> tuple[str, torch.Tensor]:
-    """The 0-dim floating output, else ``sum()`` of the first floating output; with ``like`` (the
-    reference's choice, e.g. ``"loss"`` or ``"sum(logits)"``), that same output."""
-    if like is not None:
-        name = like[4:-1] if like.startswith("sum(") else like
-        t = dict(named).get(name)
-        if t is None:
-            raise RuntimeError(f"the parallel model does not return {name!r}, which the original back-propagates")
-        if not t.requires_grad:
-            raise RuntimeError(f"the parallel model's output {name!r} does not require grad while the original's "
-                               "does: its backward is cut")
-        return like, (t.sum() if like.startswith("sum(") else t)
-    floating = [(n, t) for n, t in named if t.is_floating_point() and t.requires_grad]
-    for name, t in floating:
-        if t.dim() == 0:
-            return name, t
-    if not floating:
-        raise ValueError(
-            "the model returns no floating tensor that requires grad, so there is nothing to back-propagate: "
-            "verify compares gradients of a loss; return one from forward"
-        )
-    name, t = floating[0]
-    return f"sum({name})", t.sum()
-
-
-def _rel_error(a: torch.Tensor | None, b: torch.Tensor | None, scale: float) -> float:
+def rel_error(a: torch.Tensor | None, b: torch.Tensor | None, scale: float) -> float:
+    """``max|a - b| / max(max|b|, FLOOR * scale)`` (the module docstring's rule); 0 for two Nones or a
+    None against zeros, inf for a shape mismatch, a missing value or an unequal non-finite entry."""
     if a is None and b is None:
         return 0.0
     if a is None or b is None:
@@ -322,7 +394,7 @@ def _rel_error(a: torch.Tensor | None, b: torch.Tensor | None, scale: float) -> 
         return math.inf
     if a.shape != b.shape:
         return math.inf
-    a, b = a.detach().double(), b.detach().double()
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
     same = (a == b) | (a.isnan() & b.isnan())
     diff = torch.where(same, torch.zeros_like(a), (a - b).abs())
     if diff.numel() == 0:
@@ -347,20 +419,11 @@ def _scale(values: list[torch.Tensor | None]) -> float:
     return scale
 
 
-@dataclass
-class _Record:
-    """One side's values: outputs and grads per step, parameters after the last step.
-    Parallel values are per rank: ``{rank: tensor}``."""
-
-    outputs: list[dict[str, Any]] = field(default_factory=list)
-    grads: list[dict[str, Any]] = field(default_factory=list)
-    params: dict[str, Any] = field(default_factory=dict)
-    placements: dict[str, str] = field(default_factory=dict)
-    linears: tuple[int, int] | None = None
-    plan_notes: list[str] = field(default_factory=list)
-
-
-def _compare(ref: _Record, par: _Record, *, steps: int, rtol: float, param_names: list[str]) -> list[VerifyRow]:
+def _compare(ref: Record, par: Record, *, steps: int, rtol: float, param_names: list[str],
+             group: int = 1) -> list[VerifyRow]:
+    """One row per output, gradient and parameter. ``group``: ranks per data-parallel group
+    (pp x tp); a reference output of several batch pieces (``{piece: tensor}``, dp > 1) is
+    compared on rank r with piece ``r // group``."""
     rows: list[VerifyRow] = []
     kind_param = f"param after {steps} step{'s' if steps != 1 else ''}"
 
@@ -371,14 +434,16 @@ def _compare(ref: _Record, par: _Record, *, steps: int, rtol: float, param_names
             if (name in step_ref) != (name in step_par):
                 return math.inf
             expected, got = step_ref.get(name), step_par.get(name)
-            for value in (got.values() if isinstance(got, dict) else [got]):
-                worst = max(worst, _rel_error(value, expected, scale))
+            for rank, value in (got.items() if isinstance(got, dict) else [(0, got)]):
+                want = expected.get(rank // group) if isinstance(expected, dict) else expected
+                worst = max(worst, rel_error(value, want, scale))
         if len(par_values) < len(ref_values):  # the parallel run stopped early (it raised)
             return math.inf
         return worst
 
     def scale_of(values: list[dict]) -> float:
-        return _scale([t for step in values for t in step.values()])
+        return _scale([t for step in values for v in step.values()
+                       for t in (v.values() if isinstance(v, dict) else [v])])
 
     output_names = list(dict.fromkeys(n for step in [*ref.outputs, *par.outputs] for n in step))
     scale = scale_of(ref.outputs)
@@ -402,269 +467,4 @@ def _report(rows: list[VerifyRow], *, error: str | None = None, **fields) -> Ver
     return VerifyReport(status=status, worst=worst, rows=rows, error=error, **fields)
 
 
-def _placement(placement) -> str:
-
-    if isinstance(placement, StridedShard):
-        return f"_StridedShard({placement.dim}, split_factor={placement.split_factor})"
-    if isinstance(placement, Shard):
-        return f"Shard({placement.dim})"
-    if isinstance(placement, Replicate):
-        return "Replicate()"
-    return repr(placement)
-
-
-# -- the single-device reference ---------------------------------------------
-
-
-def _run_reference(model: nn.Module, args: tuple, kwargs: dict, steps: int) -> tuple[_Record, str]:
-    """Train a deep copy of ``model`` ``steps`` SGD steps; exceptions propagate."""
-    ref = faithful_deepcopy(model)
-    params = dict(ref.named_parameters())
-    opt = torch.optim.SGD(params.values(), lr=LR)
-    record, loss_name = _Record(), ""
-    for step in range(steps):
-        torch.manual_seed(_SEED + 1 + step)
-        named = _flatten(ref(*args, **kwargs))
-        loss_name, loss = _loss_of(named)
-        record.outputs.append({n: t.detach().clone() for n, t in named})
-        loss.backward()
-        record.grads.append({n: None if p.grad is None else p.grad.detach().clone() for n, p in params.items()})
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    record.params = {n: p.detach().clone() for n, p in params.items()}
-    return record, loss_name
-
-
-# -- tp: simulated ranks ------------------------------------------------------
-
-
-@contextlib.contextmanager
-def simulated_ranks(world: int):
-    """A fake process group of ``world`` ranks and ``LocalTensorMode(world)``; both are gone on exit,
-    also when the body raises."""
-    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
-    try:
-        with LocalTensorMode(world) as mode:
-            yield mode
-    finally:
-        dist.destroy_process_group()
-
-
-def _per_rank(t: torch.Tensor) -> dict[int, torch.Tensor]:
-    """Every simulated rank's full value of ``t`` (a DTensor is gathered first), detached copies."""
-
-    if isinstance(t, DTensor):
-        t = t.full_tensor()
-    with maybe_disable_local_tensor_mode():
-        if isinstance(t, LocalTensor):
-            return {r: t._local_tensors[r].detach().clone() for r in sorted(t._local_tensors)}
-        return {0: t.detach().clone()}
-
-
-class _Refused(Exception):
-    pass
-
-
-def _verify_simulated(model, *, tp, sp, args, kwargs, steps, rtol, notes) -> VerifyReport:
-    fields = dict(tp=tp, sp=sp, pp=1, steps=steps, rtol=rtol)
-    ref, loss_name = _run_reference(model, args, kwargs, steps)
-    mode_note = None
-    try:
-        try:
-            par, error = _run_parallel(model, tp=tp, sp=sp, args=args, kwargs=kwargs, steps=steps, loss=loss_name)
-        except _Refused as refusal:
-            message = str(refusal)
-            if not (model.training and "dropout" in message):
-                raise
-            mode_note = (f"parallelize refuses dropout_rng='reference' in train() mode ({message}); "
-                         "compared in eval() mode (dropout off) instead")
-            evaluated = faithful_deepcopy(model).eval()
-            ref, loss_name = _run_reference(evaluated, args, kwargs, steps)
-            par, error = _run_parallel(evaluated, tp=tp, sp=sp, args=args, kwargs=kwargs, steps=steps,
-                                       loss=loss_name)
-    except _Refused as refusal:
-        return VerifyReport(status="refused", worst=math.nan, error=str(refusal), notes=notes, **fields)
-    if mode_note:
-        notes.append(mode_note)
-    elif model.training:
-        notes.append("compared in train() mode; dropout masks, if any, are the single-device model's "
-                     "(dropout_rng='reference')")
-    notes.append(f"back-propagated: {loss_name}; optimizer: SGD lr={LR:g}")
-    notes.extend(par.plan_notes)
-    rows = _compare(ref, par, steps=steps, rtol=rtol, param_names=list(ref.params))
-    return _report(rows, error=error, notes=notes, linears=par.linears, **fields)
-
-
-def _run_parallel(model, *, tp, sp, args, kwargs, steps, loss: str) -> tuple[_Record, str | None]:
-    """Parallelize a deep copy of ``model`` on ``tp`` simulated ranks and train it like the reference.
-    Raises ``_Refused`` for parallelize's ValueError/TypeError; returns what else it raised as text."""
-
-
-    record = _Record()
-    with simulated_ranks(tp):
-        try:
-            pm = parallelize(faithful_deepcopy(model), tp=tp, sp=sp, example_inputs=(args, kwargs),
-                             dropout_rng="reference")
-        except (ValueError, TypeError) as error:
-            raise _Refused(str(error)) from error
-        params = {n: p for n, p in pm.named_parameters(remove_duplicate=False)}
-        for name, p in params.items():
-            record.placements[name] = _placement(p.placements[0]) if isinstance(p, DTensor) else "plain"
-        plan = getattr(pm, "plan", None)
-        if plan is not None:
-            record.linears = plan.linears
-            record.plan_notes = [f"linears split over the ranks: {plan.linears[0]} of {plan.linears[1]}", *plan.notes]
-        opt = torch.optim.SGD(list(pm.parameters()), lr=LR, foreach=False)
-        step = 0
-        try:
-            for step in range(steps):
-                torch.manual_seed(_SEED + 1 + step)
-                try:
-                    named = _flatten(pm(*args, **kwargs))
-                except (ValueError, TypeError) as error:
-                    if step == 0:
-                        raise _Refused(str(error)) from error
-                    raise
-                for name, t in named:
-                    if isinstance(t, DTensor):
-                        record.placements[f"output:{name}"] = _placement(t.placements[0])
-                record.outputs.append({n: _per_rank(t) for n, t in named})
-                _loss_of(named, like=loss)[1].backward()
-                record.grads.append({n: None if p.grad is None else _per_rank(p.grad) for n, p in params.items()})
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            record.params = {n: _per_rank(p.detach()) for n, p in params.items()}
-        except _Refused:
-            raise
-        except Exception as error:  # sptransform's failure, reported
-            where = traceback.extract_tb(error.__traceback__)[-1]
-            return record, (f"{type(error).__name__} at step {step}: {error} "
-                            f"({os.path.basename(where.filename)}:{where.lineno})")
-    return record, None
-
-
-# -- pp: real gloo processes --------------------------------------------------
-
-
-def _verify_pipeline(model, *, tp, sp, pp, args, kwargs, steps, rtol, timeout_s, notes) -> VerifyReport:
-    import pickle
-
-    import torch.multiprocessing as mp
-
-    fields = dict(tp=tp, sp=sp, pp=pp, steps=steps, rtol=rtol)
-    if model.training:
-        model = faithful_deepcopy(model).eval()
-        notes.append("pp > 1: pipeline ranks draw dropout masks per microbatch and per process, which no "
-                     "single-device run reproduces: compared in eval() mode (dropout off)")
-    tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
-    batch = tensors[0].shape[0] if tensors and tensors[0].dim() else 1
-    n_microbatches = pp if batch % pp == 0 else 1
-    notes.append(f"{pp * tp} gloo processes (pp={pp} x tp={tp}), schedule 1F1B, {n_microbatches} microbatches")
-    ref, loss_name = _run_reference(model, args, kwargs, steps)
-    notes.append(f"back-propagated: {loss_name} (the pipeline's step() loss); optimizer: SGD lr={LR:g}")
-    payload = dict(model=model, args=args, kwargs=kwargs, tp=tp, sp=sp, pp=pp, steps=steps,
-                   n_microbatches=n_microbatches, timeout_s=timeout_s)
-    try:
-        payload_bytes = pickle.dumps(payload)
-    except Exception as error:
-        raise ValueError(f"pp > 1 verification sends the model to {pp * tp} spawned processes, so it must be "
-                         f"picklable (its classes importable by module name), and it is not: {error}") from error
-    with tempfile.TemporaryDirectory(prefix="sptransform-verify-") as folder:
-        with open(os.path.join(folder, "payload.pkl"), "wb") as f:
-            f.write(payload_bytes)
-        _run_processes(mp, world=pp * tp, folder=folder, timeout_s=timeout_s)
-        results = [torch.load(os.path.join(folder, f"rank{r}.pt"), weights_only=False) for r in range(pp * tp)]
-    refused = [r["refused"] for r in results if r.get("refused")]
-    if refused:
-        return VerifyReport(status="refused", worst=math.nan, error=refused[0], notes=notes, **fields)
-    errors = [f"rank {i}: {r['error']}" for i, r in enumerate(results) if r.get("error")]
-    par = _Record()
-    for rank, result in enumerate(results):
-        for step, losses in enumerate(result.get("losses", [])):
-            while len(par.outputs) <= step:
-                par.outputs.append({})
-            par.outputs[step].setdefault("loss", {})[rank] = losses
-        for step, grads in enumerate(result.get("grads", [])):
-            while len(par.grads) <= step:
-                par.grads.append({})
-            for name, g in grads.items():
-                par.grads[step].setdefault(name, {})[rank] = g
-        for name, p in result.get("params", {}).items():
-            par.params.setdefault(name, {})[rank] = p
-        par.placements.update(result.get("placements", {}))
-    ref.outputs = [{"loss": step[loss_name] if loss_name in step else None} for step in ref.outputs]
-    rows = _compare(ref, par, steps=steps, rtol=rtol, param_names=list(ref.params))
-    # a parameter some rank holds but no rank reported is a missing value: inf (from _compare)
-    return _report(rows, error="; ".join(errors) or None, notes=notes, **fields)
-
-
-def _run_processes(mp, *, world: int, folder: str, timeout_s: float) -> None:
-    import socket
-    import time
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.start_processes(_pipeline_worker, args=(world, port, folder, timeout_s), nprocs=world,
-                                 join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not context.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"pp verification did not finish within timeout_s={timeout_s:g} s: its "
-                                   f"{world} processes were killed")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-                process.join(5)
-
-
-def _pipeline_worker(rank: int, world: int, port: int, folder: str, timeout_s: float) -> None:
-    """One pipeline rank: build the pipelined model, run the steps, save what this rank holds.
-    Never raises (the parent reads the result file)."""
-    import pickle
-
-
-    torch.set_num_threads(1)  # several ranks share the cores
-    result: dict[str, Any] = {}
-    try:
-        with open(os.path.join(folder, "payload.pkl"), "rb") as f:
-            payload = pickle.load(f)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=max(1.0, timeout_s)))
-        try:
-        
-            try:
-                pm = parallelize(payload["model"], tp=payload["tp"], sp=payload["sp"], pp=payload["pp"],
-                                 n_microbatches=payload["n_microbatches"],
-                                 example_inputs=(payload["args"], payload["kwargs"]))
-            except (ValueError, TypeError) as error:
-                result["refused"] = str(error)
-            else:
-                held = dict(pm.named_parameters(remove_duplicate=False))
-                result["placements"] = {n: _placement(p.placements[-1]) if isinstance(p, DTensor) else "plain"
-                                        for n, p in held.items()}
-                opt = torch.optim.SGD(list(pm.parameters()), lr=LR, foreach=False)
-                result["losses"], result["grads"] = [], []
-                for step in range(payload["steps"]):
-                    torch.manual_seed(_SEED + 1 + step)
-                    loss = pm.step(*payload["args"], **payload["kwargs"])
-                    result["losses"].append(loss.detach().clone())
-                    result["grads"].append({n: None if p.grad is None else _full(p.grad) for n, p in held.items()})
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                result["params"] = {n: _full(p.detach()) for n, p in held.items()}
-            dist.barrier()  # no rank tears its connections down while another still uses them
-        finally:
-            dist.destroy_process_group()
-    except Exception as error:
-        where = traceback.extract_tb(error.__traceback__)[-1]
-        result["error"] = f"{type(error).__name__}: {error} ({os.path.basename(where.filename)}:{where.lineno})"
-    torch.save(result, os.path.join(folder, f"rank{rank}.pt"))
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+__all__ = ["verify", "VerifyReport", "VerifyRow", "rel_error", "FLOOR", "LR"]

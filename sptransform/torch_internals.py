@@ -13,6 +13,7 @@ No other module of sptransform imports a private torch name (``torch._*`` module
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import warnings
 
@@ -270,6 +271,27 @@ def stage_forward_cache(stage) -> dict:
     return stage.fwd_cache
 
 
+@contextlib.contextmanager
+def quiet_fake_tensor_meta_failures():
+    """Drop, for the duration, the ERROR records of ``torch._subclasses.fake_tensor``'s logger
+    that say ``failed while attempting to run meta for <op>``: fake-tensor propagation tries an
+    op's meta kernel, logs its exception with a traceback, and then falls back (e.g.
+    ``aten._grouped_mm``'s meta refuses float32, "Expected inputs of BF16 type", in MoE experts
+    on CPU), so the log is noise that ends in a result. Other records pass. A filter on that
+    logger (the logging API, removed on exit), not a change of torch's logging configuration.
+    Public replacement: none (the message is logged at ERROR before the fallback)."""
+
+    def drop(record) -> bool:
+        return not str(record.msg).startswith("failed while attempting to run meta for")
+
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
 __all__ = [
     "DTensorSpec", "DecompShardingStrategy", "GuardOnDataDependentSymNode", "OpOverload", "OpSchema",
     "RuntimeSchemaInfo", "TensorMeta", "TupleStrategy", "abstract_device_mesh", "disable_current_modes",
@@ -282,5 +304,5 @@ __all__ = [
     "local_values",
     "make_boxed_func",
     "maybe_disable_local_tensor_mode", "min_cut_rematerialization_partition", "partitioners", "pytree",
-    "queue_backward_callback", "resolve_process_group", "run_and_save_rng_state", "run_with_rng_state", "stage_forward_cache", "tensor_map",
+    "queue_backward_callback", "quiet_fake_tensor_meta_failures", "resolve_process_group", "run_and_save_rng_state", "run_with_rng_state", "stage_forward_cache", "tensor_map",
 ]

@@ -31,7 +31,7 @@ def test_fewer_kv_heads_than_tp_run_replicated_and_train_like_single_device():
     use; the K/V weights stay whole and their gradients are summed over the ranks."""
     config = TinyConfig(hidden=32, heads=8, kv_heads=2, ffn=64, sdpa=True)
     torch.manual_seed(0)
-    report = sptransform.verify(TinyLM(config), tp=4, sp=True, example_inputs=_inputs(config))
+    report = sptransform.verify(TinyLM(config), tp=4, sp=True, example_inputs=_inputs(config), processes=False)
     assert report.ok, str(report)
     placements = {row.name: row.placement for row in report.rows if row.kind == "grad"}
     assert placements["blocks.0.attn.kv.weight"] == "Replicate()"
@@ -99,7 +99,8 @@ def test_an_op_no_rule_splits_runs_whole_and_stays_correct():
     (the plan says so) and the model still trains like the original."""
     config = TinyConfig()
     torch.manual_seed(0)
-    report = sptransform.verify(CumsumAttention(config), tp=2, sp=False, example_inputs=_inputs(config))
+    report = sptransform.verify(CumsumAttention(config), tp=2, sp=False, example_inputs=_inputs(config),
+                                processes=False)
     assert report.ok, str(report)
 
 

@@ -15,6 +15,7 @@ LAYERS = [
     ("sptransform.__main__", 9),
     ("sptransform.backend", 8),
     ("sptransform.equivalence", 8),
+    ("sptransform.verify_ranks", 8),
     ("sptransform.measure", 7),
     ("sptransform.api", 7),
     ("sptransform.transform", 6),

@@ -22,7 +22,7 @@ sweep; what finished before it is kept):
    when the class refuses sdpa), ``model.train()`` with the configured dropout;
 2. single device: forward with ``input_ids`` and ``labels`` (2 x 16 tokens), backward, one SGD
    step; it works when the loss and every gradient are finite;
-3. ``sptransform.verify(model, tp=2, sp=True, example_inputs=...)`` and
+3. ``sptransform.verify(model, tp=2, sp=True, example_inputs=..., processes=False)`` (simulated ranks) and
 4. ``sptransform.verify(model, tp=4, sp=False, example_inputs=...)``: ``equal``, ``different``
    (wrong: a row beyond rtol, or the parallel model raised while running), ``refused``
    (``parallelize`` raised ValueError/TypeError: the reason), ``error`` (verify itself raised
@@ -533,7 +533,7 @@ def run_verify(model, inputs, *, tp: int, sp: bool) -> dict:
 
     start = time.monotonic()
     try:
-        report = sptransform.verify(model, tp=tp, sp=sp, example_inputs=inputs)
+        report = sptransform.verify(model, tp=tp, sp=sp, example_inputs=inputs, processes=False)  # as documented
     except Exception as error:  # verify itself raised (not a refusal, not a finished comparison)
         where = traceback.extract_tb(error.__traceback__)[-1]
         return {"status": "error", "reason": f"{type(error).__name__}: {_first_line(error)} "

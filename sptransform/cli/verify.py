@@ -4,6 +4,16 @@
     sptransform verify --model llama3-8b --tp 4 --no-sp --layers 1 --steps 3
     sptransform verify --model path/to/config.json --tp 2 --seq 32
     sptransform verify --model my_models.py:build --tp 2        # or a dotted module: pkg.models:build
+    sptransform verify --model gpt2 --tp 2 --simulated           # ranks simulated in this process
+    torchrun --nproc-per-node 2 -m sptransform verify --model gpt2 --tp 2   # on the job's ranks
+
+Where the ranks run: by default real processes, dp x pp x tp of them, spawned on gloo (CPU),
+unless the model cannot be pickled to them (a lambda on a module, a class defined in
+``__main__``; then simulated, with a note); ``--processes`` insists on real processes,
+``--simulated`` runs the tp ranks in this one process (``LocalTensorMode``; pp = dp = 1). Under
+``torchrun`` (its environment variables set) the command initializes the job's process group
+(gloo) and runs on the job's ranks, whose number must be dp x pp x tp; rank 0 prints the report,
+every rank exits with its code. The report's first line says which ran.
 
 ``--model`` is one of:
 
@@ -24,7 +34,7 @@
   pair ``(module, example_inputs)`` (the forms ``parallelize`` takes) for a model whose
   forward needs more than token ids. ``--layers`` does not apply.
 
-Inputs: token ids ``[--batch, --seq]`` (default 2 x 8*tp) below the model's vocabulary, plus
+Inputs: token ids ``[--batch, --seq]`` (default 2*dp x 8*tp) below the model's vocabulary, plus
 ``labels`` = the same ids when ``forward`` takes labels (HF), so that the loss is compared.
 
 Exit code: 0 equal, 1 different, 2 refused by ``parallelize`` or bad arguments (one
@@ -34,6 +44,7 @@ Exit code: 0 equal, 1 different, 2 refused by ``parallelize`` or bad arguments (
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -46,7 +57,7 @@ from sptransform.planner.presets import PRESETS
 DEFAULT_LAYERS = 2
 HEAD_DIM = 8
 MAX_RANKS = 64
-"""Simulated tp ranks, and pp x tp spawned processes, at most."""
+"""tp ranks, and dp x pp x tp processes, at most."""
 MAX_LAYERS = 1024
 MAX_TOKENS = 2**20
 """batch x seq of the token inputs, at most."""
@@ -55,16 +66,24 @@ MAX_STEPS = 10_000
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "verify", help="compare the parallel model with the original on simulated ranks: outputs, gradients, updates",
+        "verify", help="compare the parallel model with the original on real (or simulated) ranks: outputs, "
+                       "gradients, updates",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.set_defaults(run=run)
     parser.add_argument("--model", help=f"a preset ({', '.join(sorted(PRESETS))}), a HF config.json, or module:factory")
-    parser.add_argument("--tp", type=int_type(1, MAX_RANKS, why="simulated ranks in one process"),
-                        help=f"tensor-parallel degree (simulated ranks; required; at most {MAX_RANKS})")
+    parser.add_argument("--tp", type=int_type(1, MAX_RANKS, why="ranks run on this machine"),
+                        help=f"tensor-parallel degree (required; at most {MAX_RANKS})")
     parser.add_argument("--no-sp", dest="sp", action="store_false", help="without sequence parallelism")
-    parser.add_argument("--pp", type=int_type(1, MAX_RANKS, why="pp x tp processes are spawned"), default=1,
-                        help=f"pipeline ranks: pp x tp real gloo processes (default 1; pp x tp at most {MAX_RANKS})")
+    parser.add_argument("--pp", type=int_type(1, MAX_RANKS, why="dp x pp x tp processes are spawned"), default=1,
+                        help=f"pipeline ranks (default 1; dp x pp x tp at most {MAX_RANKS} processes)")
+    parser.add_argument("--dp", type=int_type(1, MAX_RANKS, why="dp x pp x tp processes are spawned"), default=1,
+                        help="data-parallel groups, each on its piece of the batch (default 1)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--processes", dest="processes", action="store_true", default=None,
+                       help="real gloo processes, also where that needs the model pickled and it cannot be (an error)")
+    where.add_argument("--simulated", dest="processes", action="store_false",
+                       help="the tp ranks simulated in this process (LocalTensorMode); pp = dp = 1 only")
     parser.add_argument("--layers", type=int_type(1, MAX_LAYERS, why="the model is built for real"),
                         help=f"layers of a preset or config.json model (default {DEFAULT_LAYERS}; at most {MAX_LAYERS})")
     parser.add_argument("--seq", type=int_type(1, MAX_TOKENS, why="the inputs are real tensors"),
@@ -75,7 +94,7 @@ def register(subparsers) -> None:
     parser.add_argument("--rtol", type=non_negative_float, default=1e-4,
                         help="largest relative error of a row that is ok, a finite number >= 0 (default 1e-4)")
     parser.add_argument("--timeout", type=positive_float, default=600.0,
-                        help="with --pp: seconds before the processes are killed (default 600)")
+                        help="seconds before spawned processes are killed (default 600)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,34 +102,54 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--model is required: a preset, a HF config.json, or module:factory")
     if args.tp is None:
         raise ValueError("--tp is required: the tensor-parallel degree to verify")
-    tp, pp, layers, seq, batch = args.tp, args.pp, args.layers, args.seq, args.batch
+    tp, pp, dp, layers, seq, batch = args.tp, args.pp, args.dp, args.layers, args.seq, args.batch
     steps, rtol, timeout = args.steps, args.rtol, args.timeout
-    if pp * tp > MAX_RANKS:
-        raise ValueError(f"--pp {pp} x --tp {tp} = {pp * tp} processes is above the limit of {MAX_RANKS}: "
-                         "use fewer ranks")
-    tokens = (batch or 2) * (seq or 8 * tp)
+    if dp * pp * tp > MAX_RANKS:
+        raise ValueError(f"--dp {dp} x --pp {pp} x --tp {tp} = {dp * pp * tp} processes is above the limit of "
+                         f"{MAX_RANKS}: use fewer ranks")
+    default_batch = 2 * dp
+    tokens = (batch or default_batch) * (seq or 8 * tp)
     if tokens > MAX_TOKENS:
-        raise ValueError(f"--batch {batch or 2} x --seq {seq or 8 * tp} = {tokens:,} tokens is above the limit of "
-                         f"{MAX_TOKENS:,} (the inputs and activations are real tensors): use a smaller --batch or --seq")
+        raise ValueError(f"--batch {batch or default_batch} x --seq {seq or 8 * tp} = {tokens:,} tokens is above the "
+                         f"limit of {MAX_TOKENS:,} (the inputs and activations are real tensors): use a smaller "
+                         "--batch or --seq")
 
     import torch
 
-
-    torch.manual_seed(0)  # the model's initial weights
+    torch.manual_seed(0)  # the model's initial weights (alike on every rank of a torchrun job)
     model, example_inputs = build_model(args.model, layers=layers, seq=seq or 8 * tp)
     if example_inputs is None and (seq is not None or batch is not None):
-        example_inputs = token_inputs(model, batch=batch or 2, seq=seq or 8 * tp)
-    try:
-        report = verify(model, tp=tp, sp=args.sp, pp=pp, example_inputs=example_inputs, steps=steps,
-                                    rtol=rtol, timeout_s=timeout)
-    except Exception as error:  # bad inputs, the model itself failing on single device, a --pp timeout
-        message = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
-        raise ValueError(_one_line(message)) from error
-    print(describe(model, args.model))
-    print(report)
+        example_inputs = token_inputs(model, batch=batch or default_batch, seq=seq or 8 * tp)
+    with _torchrun_group() as rank:
+        try:
+            report = verify(model, tp=tp, sp=args.sp, pp=pp, dp=dp, example_inputs=example_inputs, steps=steps,
+                            rtol=rtol, timeout_s=timeout, processes=args.processes)
+        except Exception as error:  # bad inputs, the model itself failing on single device, a timeout
+            message = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
+            raise ValueError(_one_line(message)) from error
+    if rank == 0:
+        print(describe(model, args.model))
+        print(report)
     if report.status == "refused":
         return 2
     return 0 if report.ok else 1
+
+
+@contextlib.contextmanager
+def _torchrun_group():
+    """Under torchrun (its RANK/WORLD_SIZE/MASTER_ADDR set) with no process group yet: the job's
+    gloo group for the body, destroyed after; yields this process's rank (0 outside a job)."""
+    import torch.distributed as dist
+
+    launched = all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    if not launched or dist.is_initialized():
+        yield dist.get_rank() if dist.is_initialized() else 0
+        return
+    dist.init_process_group("gloo")
+    try:
+        yield dist.get_rank()
+    finally:
+        dist.destroy_process_group()
 
 
 def describe(model, spec: str) -> str:

@@ -221,6 +221,9 @@ BAD_CALLS = [
     (["verify", "--model", "gpt2", "--tp", "2", "--timeout", "0"], "--timeout"),
     (["verify", "--model", "gpt2", "--tp", "2", "--timeout", "inf"], "--timeout"),
     (["verify", "--model", "gpt2", "--tp", "2", "--bogus"], "--bogus"),
+    (["verify", "--model", "gpt2", "--tp", "2", "--dp", "0"], "--dp"),
+    (["verify", "--model", "gpt2", "--tp", "2", "--dp", "40"], "--dp"),
+    (["verify", "--model", "gpt2", "--tp", "2", "--processes", "--simulated"], "--simulated"),
     # -- the command itself ------------------------------------------------------------------
     ([], "COMMAND"),
     (["frobnicate"], "frobnicate"),
