@@ -74,8 +74,9 @@ class FakeTemplate:
         self.param_names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
         self.own_storage: dict[tuple, str] = {}
         for name, t in _named_state(model):
-            if t.device.type != "meta":  # meta tensors have no storage to recognise
-                self.own_storage.setdefault(_storage_key(t), name)
+            key = _storage_key(t)
+            if key is not None:
+                self.own_storage.setdefault(key, name)
         self.foreign_storage = _foreign_parameters(self.module)
 
     # -- what a capture depends on besides the inputs: modes and dtypes ---------------
@@ -129,10 +130,22 @@ def _named_state(model: nn.Module):
     yield from model.named_buffers(remove_duplicate=False)
 
 
-def _storage_key(t: torch.Tensor) -> tuple:
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    """Where a plain tensor's memory starts; None for tensors without memory of their own to compare
+    (meta tensors, wrapper subclasses such as a simulated rank's LocalTensor or a DTensor)."""
+    if t.device.type == "meta" or isinstance(t, FakeTensor) or type(t) not in (torch.Tensor, nn.Parameter):
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:  # a storage torch cannot read from Python
+        return None
+
+
+def _storage_key(t: torch.Tensor) -> tuple | None:
     """Identity of the memory a tensor reads: export lifts a tensor that forward reaches outside the
     module's attributes as a detached alias, which shares this key with its source."""
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+    ptr = _storage_ptr(t)
+    return None if ptr is None else (ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
 def _foreign_parameters(module: nn.Module) -> dict[int, str]:
@@ -152,11 +165,11 @@ def _foreign_parameters(module: nn.Module) -> dict[int, str]:
         if isinstance(obj, nn.Module):
             if id(obj) not in own:
                 for name, p in obj.named_parameters():
-                    if not isinstance(p, FakeTensor) and p.device.type != "meta":
-                        found.setdefault(p.untyped_storage().data_ptr(), f"{name} of {type(obj).__name__} ({where})")
+                    if _storage_ptr(p) is not None:
+                        found.setdefault(_storage_ptr(p), f"{name} of {type(obj).__name__} ({where})")
             return
-        if isinstance(obj, nn.Parameter) and not isinstance(obj, FakeTensor) and obj.device.type != "meta":
-            found.setdefault(obj.untyped_storage().data_ptr(), f"a parameter of shape {tuple(obj.shape)} ({where})")
+        if isinstance(obj, nn.Parameter) and _storage_ptr(obj) is not None:
+            found.setdefault(_storage_ptr(obj), f"a parameter of shape {tuple(obj.shape)} ({where})")
         elif isinstance(obj, types.FunctionType):
             for cell in obj.__closure__ or ():
                 try:
@@ -231,14 +244,14 @@ def _capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph
                 f"the model creates the tensor constant {name!r} inside forward; sptransform "
                 "captures with fake tensors and cannot recover its value: register it as a buffer"
             )
-        own = template.own_storage.get(_storage_key(value))
+        own = template.own_storage.get(_storage_key(value)) if _storage_key(value) is not None else None
         if own is not None:  # the model's own tensor, reached where the template's copy did not rebind it
             state_names[state_names.index(name)] = own
             if own in template.param_names:
                 params.add(own)
             continue
-        if value.untyped_storage().data_ptr() in template.foreign_storage:
-            foreign.append(f"{name}: {template.foreign_storage[value.untyped_storage().data_ptr()]}")
+        if _storage_ptr(value) in template.foreign_storage:
+            foreign.append(f"{name}: {template.foreign_storage[_storage_ptr(value)]}")
             continue
         constants[name] = value
     if mutated:
