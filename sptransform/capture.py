@@ -25,7 +25,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from sptransform.copying import faithful_deepcopy
 from sptransform.torch_internals import (
-    FakeTensor, FakeTensorMode, disable_current_modes, free_unbacked_symbols, maybe_disable_local_tensor_mode, pytree,
+    FakeTensor, FakeTensorMode, StorageWeakRef, disable_current_modes, free_unbacked_symbols, maybe_disable_local_tensor_mode, pytree,
 )
 
 
@@ -235,6 +235,14 @@ def _capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph
             continue  # a non-persistent buffer: its value comes from the real module
         value = ep.constants[name]
         if isinstance(value, FakeTensor):
+            own = _template_state_of(template, value)
+            if own is not None and not _writes_into(ep.graph_module, placeholder):
+                # The template's own fake parameter held by a functools.partial (or any object export's
+                # parameter swap does not reach): the parameter itself.
+                state_names[state_names.index(name)] = own
+                if own in template.param_names:
+                    params.add(own)
+                continue
             writes = _writes_into(ep.graph_module, placeholder)
             if writes:  # ``self.weight.data.clamp_()``: export lifts the alias as a constant it writes into
                 mutated.extend(f"a .data/.detach() alias of a parameter or buffer, written by {describe(w)}"
@@ -291,6 +299,16 @@ def _capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph
         out_spec=ep.call_spec.out_spec,
         constants=constants,
     )
+
+
+def _template_state_of(template: FakeTemplate, value: FakeTensor) -> str | None:
+    """The name of the template's parameter or buffer that ``value`` is (same fake storage and view)."""
+    key = (StorageWeakRef(value.untyped_storage()), value.storage_offset(), tuple(value.shape), tuple(value.stride()))
+    for name, t in _named_state(template.module):
+        if isinstance(t, FakeTensor) and key == (StorageWeakRef(t.untyped_storage()), t.storage_offset(),
+                                                 tuple(t.shape), tuple(t.stride())):
+            return name
+    return None
 
 
 def _writes_into(gm: fx.GraphModule, placeholder: fx.Node) -> list[fx.Node]:

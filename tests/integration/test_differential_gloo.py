@@ -49,12 +49,10 @@ FLOAT32_INSIDE = {
 }
 """Models that compute part of a float64 run in float32: equal to the reference at float32's
 precision (1e-6) only; simulated and real ranks still agree to SIM_VS_REAL."""
-REFUSED = {
-    "shared:partial": "lifted_tensor_0",
-}
-"""Models ``parallelize`` refuses today, on both engines alike (the message must be the same):
-a parameter held by a ``functools.partial`` on the module reaches export as a constant it
-lifts, and capture asks for a buffer instead."""
+REFUSED: dict[str, str] = {}
+"""Models ``parallelize`` refuses today, on both engines alike (the message must be the same).
+Empty: a ``functools.partial`` head (a parameter export's parameter swap does not reach, lifted as a
+fake constant) was refused until capture recognised the template's own fake parameter."""
 ZOO_SAMPLE = ["llama_reference", "einsum_attention", "matmul_masked_softmax", "fused_qkv_grouped", "tied_flinear",
               "moe_scatter", "sequence_first"]
 HF_SAMPLE = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
