@@ -123,3 +123,19 @@ def test_a_forward_that_writes_a_parameter_through_data_is_refused_before_functi
     monkeypatch.setattr(torch.export.ExportedProgram, "run_decompositions", crash)
     with pytest.raises(ValueError, match=r"mutates a \.data/\.detach\(\) alias.*aten\.clamp_"):
         sptransform.parallelize(Clamps(), tp=1, example_inputs=(torch.zeros(2, 3, dtype=torch.long),))
+
+
+def test_a_partial_head_holding_the_weight_is_read_as_the_parameter():
+    class PartialHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(32, 16)
+            self.to_logits = functools.partial(F.linear, weight=self.emb.weight)  # export's swap misses it
+
+        def forward(self, ids):
+            return self.to_logits(self.emb(ids)).sum()
+
+    captured = capture(FakeTemplate(PartialHead(), torch.device("cpu")), (torch.randint(0, 32, (2, 6)),), {})
+    assert captured.constants == {} and captured.state_names.count("emb.weight") == 1
+    (emb,) = [n for n, name in zip(captured.state_placeholders, captured.state_names) if name == "emb.weight"]
+    assert len(emb.users) == 2
