@@ -81,6 +81,9 @@ class VerifyReport:
     linears: tuple[int, int] | None = None
     """(linears whose weight the parallel model splits over the ranks, linears in the model): a
     model can be equal and still run some linears whole on every rank (the notes say which)."""
+    held_share: float | None = None
+    """The largest share of the model's parameter bytes one rank stores, measured on its tensors (~1/tp
+    when the big weights are split, 1.0 when none is: equal but not split)."""
     tp: int = 1
     sp: bool = True
     pp: int = 1
@@ -125,6 +128,9 @@ class VerifyReport:
                 lines.append("  ".join(c.rjust(w) if i == 3 else c.ljust(w)
                                        for i, (c, w) in enumerate(zip(row, widths))).rstrip())
         lines += [f"note: {note}" for note in self.notes]
+        if self.held_share is not None:
+            lines.append(f"held per rank: {self.held_share:.3f} of the parameter bytes (1/{self.tp * self.pp} "
+                         f"= {1 / (self.tp * self.pp):.3f} if every weight were split)")
         if self.status == "refused":
             lines.append(f"verdict: REFUSED: parallelize refused the model: {self.error}")
         elif self.status == "equal":
@@ -282,7 +288,8 @@ def verify(
         notes.extend(run.record.plan_notes)
         rows = _compare(ref, run.record, steps=steps, rtol=rtol, param_names=list(ref.params), group=pp * tp)
         # a parameter some rank holds but no rank reported is a missing value: inf (from _compare)
-        return _report(rows, error=run.error, notes=notes, linears=run.record.linears, **fields)
+        return _report(rows, error=run.error, notes=notes, linears=run.record.linears,
+                       held_share=run.record.held_share, **fields)
 
 
 def _run_parallel(case: ParallelCase, *, on_group: bool, processes: bool | None, timeout_s: float,

@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from sptransform.api import parallelize
 from sptransform.copying import faithful_deepcopy
+from sptransform.runtime.params import held_share
 from sptransform.torch_internals import (
     FakeStore, LocalTensorMode, StridedShard, local_values, maybe_disable_local_tensor_mode,
     quiet_fake_tensor_meta_failures,
@@ -62,6 +63,8 @@ class Record:
     """Parameter name (or ``output:<name>``) -> its placement on the tensor-parallel axis."""
     linears: tuple[int, int] | None = None
     plan_notes: list[str] = field(default_factory=list)
+    held_share: float | None = None
+    """The largest share of the model's parameter bytes one rank stores (``runtime.params.held_share``)."""
 
 
 @dataclass(frozen=True)
@@ -260,6 +263,7 @@ def _train(case: ParallelCase, model: nn.Module) -> tuple[Record, str | None]:
     # this rank's data-parallel group's piece of the batch (mesh (dp, pp, tp), row-major)
     group = dist.get_rank() // (case.pp * case.tp) if case.dp > 1 else 0
     args, kwargs = split_batch(case.args, case.kwargs, case.dp)[group]
+    whole_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     try:
         pm = parallelize(model, tp=case.tp, sp=case.sp, pp=case.pp, dp=case.dp, example_inputs=(args, kwargs),
                          **options)
@@ -268,6 +272,7 @@ def _train(case: ParallelCase, model: nn.Module) -> tuple[Record, str | None]:
     record = Record()
     params = dict(pm.named_parameters(remove_duplicate=False))
     record.placements = {name: _placement(p) for name, p in params.items()}
+    record.held_share = held_share(pm, whole_bytes=whole_bytes)
     plan = getattr(pm, "plan", None)
     if plan is not None:
         record.linears = plan.linears
@@ -454,6 +459,8 @@ def _merge_record(into: Record, record: Record) -> None:
         into.params[name] = {**into.params.get(name, {}), **by_rank}
     into.placements.update(record.placements)
     into.linears = into.linears or record.linears
+    if record.held_share is not None:
+        into.held_share = max(into.held_share or 0.0, record.held_share)
     into.plan_notes = into.plan_notes or record.plan_notes
 
 

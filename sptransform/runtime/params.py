@@ -31,11 +31,12 @@ def call_defaults(model: nn.Module) -> dict:
     return {"use_cache": False} if "use_cache" in parameters else {}
 
 
-def held_share(module: nn.Module) -> float:
+def held_share(module: nn.Module, whole_bytes: int | None = None) -> float:
     """Bytes of parameters this rank stores / bytes of the whole parameters (tied ones once), measured
     on the tensors: a DTensor counts its local shard against its global size, a plain tensor counts
     whole. ``1/tp`` when every weight is split; 1.0 when nothing is (equal, and useless for memory).
-    Under simulated ranks, the largest rank's shard."""
+    Under simulated ranks, the largest rank's shard. ``whole_bytes``: the whole model's parameter
+    bytes, for a module that holds only some of them (a pipeline rank's stages)."""
     held = whole = 0
     for p in module.parameters():
         size = p.element_size()
@@ -45,6 +46,7 @@ def held_share(module: nn.Module) -> float:
             held += (max(v.numel() for v in values.values()) if values else p.to_local().numel()) * size
         else:
             held += p.numel() * size
+    whole = whole if whole_bytes is None else whole_bytes
     return held / whole if whole else 1.0
 
 
