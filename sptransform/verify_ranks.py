@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import io
+import logging
 import os
 import pickle
 import socket
@@ -491,6 +492,10 @@ def _worker(rank: int, world: int, port: int, folder: str, timeout_s: float) -> 
     try:
         with open(os.path.join(folder, "cases.pkl"), "rb") as f:
             cases = pickle.load(f)
+        # The parent prints the report; a worker's library warnings (transformers' config notices, once
+        # per rank) only repeat what the parent's run of the model printed. Set after unpickling the
+        # model, whose import of transformers sets its logger's level.
+        logging.getLogger("transformers").setLevel(logging.ERROR)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=max(1.0, timeout_s)))
