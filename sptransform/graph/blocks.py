@@ -84,3 +84,17 @@ def group_layers(blocks: list[ResidualBlock]) -> list[list[ResidualBlock]]:
     if period == len(blocks):
         period = 1  # no repetition: each block is a layer of its own
     return [blocks[i : i + period] for i in range(0, len(blocks), period)]
+
+
+def describe_layers(blocks: list[ResidualBlock], layers: list[list[ResidualBlock]]) -> str:
+    """In words, for errors and ``explain()``: how many blocks, grouped by which rule."""
+    if not blocks:
+        return "no residual block"
+    sizes = " or ".join(str(s) for s in sorted({len(layer) for layer in layers}))
+    if any(b.attention for b in blocks):
+        rule = "a layer starts at each block holding attention"
+    elif len({b.signature for b in blocks}) > 1 and all(len(layer) == 1 for layer in layers):
+        rule = "their ops do not repeat: a layer per block"
+    else:
+        rule = f"their ops repeat every {len(layers[0])} block(s)"
+    return f"{len(blocks)} residual blocks in {len(layers)} layers of {sizes} block(s); {rule}"

@@ -40,7 +40,7 @@ import torch
 import torch.fx as fx
 
 from sptransform.graph.analysis import ModelAnalysis
-from sptransform.graph.blocks import ResidualBlock, find_residual_blocks, group_layers
+from sptransform.graph.blocks import ResidualBlock, describe_layers, find_residual_blocks, group_layers
 from sptransform.graph.cost import node_cost
 from sptransform.capture import CapturedGraph
 from sptransform.runtime.ops import independent_dropout, reference_dropout
@@ -195,14 +195,10 @@ def find_stage_cuts(flow: GraphFlow, analysis: ModelAnalysis | None, num_stages:
     blocks = _residual_blocks(flow, analysis)
     if blocks:
         layers = group_layers(blocks)
-        kinds = ", ".join("attention" if b.attention else "no attention" for b in layers[0])
-        sizes = sorted({len(layer) for layer in layers})
-        found = (f"{len(blocks)} residual blocks in {len(layers)} layers of {' or '.join(map(str, sizes))} "
-                 f"block(s) (the first: {kinds})")
-        return StageCuts(_layer_cuts(flow, layers), len(layers), found)
+        return StageCuts(_layer_cuts(flow, layers), len(layers), describe_layers(blocks, layers))
     boundaries = find_balanced_cuts(flow, num_stages)
     return StageCuts(boundaries, len(boundaries) + 1,
-                     f"no residual block; {len(boundaries)} cut point(s) balancing {num_stages} stages")
+                     f"no residual block; {len(boundaries)} cut(s) at cheap crossing points balancing the stages")
 
 
 def _residual_blocks(flow: GraphFlow, analysis: ModelAnalysis | None) -> list[ResidualBlock]:

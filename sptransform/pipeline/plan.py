@@ -52,6 +52,8 @@ class PipelinePlan:
     inflight: list[int]
     tied: list[TiedParameter]
     notes: list[str] = field(default_factory=list)
+    found: str = ""
+    """What the layers are, in words (``StageCuts.found``)."""
 
     def stages_of(self, rank: int) -> list[StageGraph]:
         return [s for s in self.stages if self.stage_rank[s.index] == rank]
@@ -84,7 +86,7 @@ def plan_pipeline(graph: ParallelGraph, template: FakeTemplate, args: tuple, kwa
         users = [s.index for s in stages if name in s.state_names]
         if len(users) > 1:
             tied.append(TiedParameter(name, users, sorted({ranks[s] for s in users})))
-    return PipelinePlan(options, num_layers, boundaries, starts, stages, ranks, costs, held, tied)
+    return PipelinePlan(options, num_layers, boundaries, starts, stages, ranks, costs, held, tied, found=cuts.found)
 
 
 def _layer_costs(graph: ParallelGraph, flow: GraphFlow, boundaries, num_layers, template, args, kwargs):

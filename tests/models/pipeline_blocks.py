@@ -167,8 +167,8 @@ class _MultiQueryBlock(nn.Module):
         y = self.ln(x)
         fused = self.query_key_value(y).view(b, s, self.heads + 2, self.head_dim)
         q = fused[:, :, :-2].transpose(1, 2)                                     # [b, heads, s, d]
-        k = fused[:, :, [-2]].transpose(1, 2).expand(b, self.heads, s, self.head_dim)
-        v = fused[:, :, [-1]].transpose(1, 2).expand(b, self.heads, s, self.head_dim)
+        k = fused[:, :, -2:-1].transpose(1, 2).expand(b, self.heads, s, self.head_dim)
+        v = fused[:, :, -1:].transpose(1, 2).expand(b, self.heads, s, self.head_dim)
         attention = self.dense(_causal_attention(q, k, v))
         mlp = self.down(F.gelu(self.up(y)))
         return x + attention + mlp
