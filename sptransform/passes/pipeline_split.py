@@ -241,49 +241,67 @@ MAX_CUT_CANDIDATES = 256
 def find_balanced_cuts(flow: GraphFlow, num_stages: int) -> list[LayerBoundary]:
     """Up to ``num_stages - 1`` cuts (fewer where the graph has fewer cut points) minimising the
     slowest stage, a stage costing 3 x the forward FLOPs of its nodes (``graph.cost.node_cost``)
-    plus 2 x (activation + gradient) the bytes it sends x ``CUT_FLOPS_PER_BYTE``; among equals,
-    the fewest bytes sent. Candidates are the local minima of crossing bytes (the cheapest
-    ``MAX_CUT_CANDIDATES``), with something computed on both sides."""
+    plus the bytes it sends, twice (activations forward, their gradients backward), x
+    ``CUT_FLOPS_PER_BYTE``; among equals, the fewest bytes sent. Candidates: ``_cut_candidates``."""
     costs = flow.crossing_costs()
-    work = [0] * (len(flow.nodes) + 1)
+    candidates = _cut_candidates(flow, costs)
+    work = [0] * len(flow.nodes)
     for n in flow.nodes:
         if flow.computed(n):
             cost = node_cost(n)
-            work[flow.anchor[n] + 1] += 3 * (cost.matmul_flops + cost.elementwise)
+            work[flow.anchor[n]] += 3 * (cost.matmul_flops + cost.elementwise)
+    points = [0, *candidates, len(flow.nodes)]
+    send = [0.0, *(2 * costs[p][0] * CUT_FLOPS_PER_BYTE for p in candidates), 0.0]
+    chosen = _min_max_partition(_prefix(work), points, send, min(num_stages - 1, len(candidates)))
+    return [_boundary(flow, layer, p) for layer, p in enumerate(chosen, start=1)]
+
+
+def _cut_candidates(flow: GraphFlow, costs: list[tuple[int, int]]) -> list[int]:
+    """Positions right after a computed node, with a computed node after them, that tensors
+    cross and where crossing bytes are a local minimum; the cheapest ``MAX_CUT_CANDIDATES``."""
     anchored = sorted({flow.anchor[n] for n in flow.nodes if flow.computed(n)})
     if len(anchored) < 2:
         return []
-    work = _prefix(work[1:])  # work[p]: nodes anchored before position p
     after_a_node = {p + 1 for p in anchored}
-    candidates = [
+    found = [
         p for p in range(anchored[0] + 1, anchored[-1] + 1)
-        if costs[p][1] and p in after_a_node
-        and costs[p][0] <= costs[p - 1][0] and costs[p][0] <= costs[p + 1][0]
+        if costs[p][1] and p in after_a_node and costs[p][0] <= min(costs[p - 1][0], costs[p + 1][0])
     ]
-    candidates = sorted(sorted(candidates, key=lambda p: (costs[p][0], p))[:MAX_CUT_CANDIDATES])
-    cuts = min(num_stages - 1, len(candidates))
-    points = [0, *candidates, len(flow.nodes)]
-    send = [0.0, *(2 * costs[p][0] * CUT_FLOPS_PER_BYTE for p in candidates), 0.0]
-    inf = (float("inf"), float("inf"))
-    best = [[inf] * len(points) for _ in range(cuts + 2)]
-    choice = [[-1] * len(points) for _ in range(cuts + 2)]
-    best[0][0] = (0.0, 0.0)
-    for s in range(1, cuts + 2):
-        for j in range(1, len(points)):
-            if (s == cuts + 1) != (j == len(points) - 1):
-                continue
-            for i in range(j):
-                if best[s - 1][i] == inf:
-                    continue
-                stage = work[points[j]] - work[points[i]] + send[j]
-                candidate = (max(best[s - 1][i][0], stage), best[s - 1][i][1] + send[j])
-                if candidate < best[s][j]:
-                    best[s][j], choice[s][j] = candidate, i
-    chosen, j = [], len(points) - 1
+    return sorted(sorted(found, key=lambda p: (costs[p][0], p))[:MAX_CUT_CANDIDATES])
+
+
+def _min_max_partition(work: list[float], points: list[int], send: list[float], cuts: int) -> list[int]:
+    """``cuts`` of ``points[1:-1]`` whose slowest stage is fastest, a stage from points[i] to
+    points[j] costing ``work[points[j]] - work[points[i]] + send[j]``; among those, the one
+    sending least in total. Two dynamic programs over (stage, end point), as ``balance_layers``:
+    O(cuts x points^2)."""
+    end = len(points) - 1
+
+    def stage(i: int, j: int) -> float:
+        return work[points[j]] - work[points[i]] + send[j]
+
+    def solve(combine, admissible) -> tuple[list[list[float]], list[list[int]]]:
+        best = [[float("inf")] * len(points) for _ in range(cuts + 2)]
+        choice = [[-1] * len(points) for _ in range(cuts + 2)]
+        best[0][0] = 0.0
+        for s in range(1, cuts + 2):
+            for j in ([end] if s == cuts + 1 else range(1, end)):
+                for i in range(j):
+                    if best[s - 1][i] == float("inf") or not admissible(i, j):
+                        continue
+                    candidate = combine(best[s - 1][i], i, j)
+                    if candidate < best[s][j]:
+                        best[s][j], choice[s][j] = candidate, i
+        return best, choice
+
+    slowest, _ = solve(lambda before, i, j: max(before, stage(i, j)), lambda i, j: True)
+    limit = slowest[cuts + 1][end]
+    _, choice = solve(lambda before, i, j: before + send[j], lambda i, j: stage(i, j) <= limit)
+    chosen, j = [], end
     for s in range(cuts + 1, 1, -1):
         j = choice[s][j]
         chosen.append(points[j])
-    return [_boundary(flow, layer, p) for layer, p in enumerate(sorted(chosen), start=1)]
+    return chosen[::-1]
 
 
 # ---------------------------------------------------------------------------

@@ -265,3 +265,26 @@ def test_a_graph_without_residual_blocks_is_cut_at_cheap_points_that_balance_the
     costs = measure_layer_costs(flow, cuts.boundaries, cuts.num_layers, list(args))
     assert max(c.time for c in costs) < 0.75 * sum(c.time for c in costs)
     _assert_stages_reproduce(model, split_graph(flow, cuts.boundaries, cuts.num_layers), args)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_balanced_cuts_minimize_the_slowest_stage_counting_what_each_stage_sends(data):
+    from sptransform.passes.pipeline_split import _min_max_partition
+
+    nodes = data.draw(st.integers(2, 12))
+    work = data.draw(st.lists(st.integers(0, 50), min_size=nodes, max_size=nodes))
+    candidates = sorted(data.draw(st.sets(st.integers(1, nodes - 1), min_size=1)))
+    cuts = data.draw(st.integers(1, len(candidates)))
+    sends = data.draw(st.lists(st.integers(0, 30), min_size=len(candidates), max_size=len(candidates)))
+    prefix = [sum(work[:p]) for p in range(nodes + 1)]
+    points, send = [0, *candidates, nodes], [0, *sends, 0]
+
+    def price(chosen):
+        bounds = [0, *(points.index(c) for c in chosen), len(points) - 1]
+        stages = [prefix[points[j]] - prefix[points[i]] + send[j] for i, j in zip(bounds, bounds[1:])]
+        return max(stages), sum(send[j] for j in bounds[1:])
+
+    chosen = _min_max_partition(prefix, points, send, cuts)
+    assert len(chosen) == cuts and chosen == sorted(set(chosen))
+    assert price(chosen) == min(price(list(c)) for c in itertools.combinations(candidates, cuts))
