@@ -7,10 +7,13 @@
 Three steps, each usable on its own:
 
 * ``find_layer_boundaries`` finds, for every layer l >= 1, the position in graph
-  order between layer l-1's last row-parallel linear and layer l's first
-  column-parallel linear (the analysis's regions and their ``layer``) where the
-  fewest bytes of activations cross; in a pre-norm transformer that is just after
-  the residual add, and one tensor (the residual stream) crosses.
+  order between layer l-1's last residual add and layer l's first node (layers are
+  repeated residual blocks, ``graph.blocks``: found from dataflow, whether or not the
+  tensor-parallel analysis recognises their attention) where the fewest bytes of
+  activations cross; in a pre-norm transformer that is just after the residual add,
+  and one tensor (the residual stream) crosses. ``find_stage_cuts`` adds, for a graph
+  with no residual block, cuts at the cheap crossing points that balance the stages
+  (``find_balanced_cuts``).
 * ``balance_layers`` groups consecutive layers into stages so that the slowest
   stage is as fast as possible; among such groupings it keeps the one with the
   smallest peak of saved activations (a stage's bytes times the microbatches the
@@ -37,6 +40,8 @@ import torch
 import torch.fx as fx
 
 from sptransform.graph.analysis import ModelAnalysis
+from sptransform.graph.blocks import ResidualBlock, describe_layers, find_residual_blocks, group_layers
+from sptransform.graph.cost import node_cost
 from sptransform.capture import CapturedGraph
 from sptransform.runtime.ops import independent_dropout, reference_dropout
 
@@ -166,22 +171,50 @@ class GraphFlow:
 # find
 
 
-def find_layer_boundaries(flow: GraphFlow, analysis: ModelAnalysis) -> list[LayerBoundary]:
-    """For each layer l >= 1, the cut between layers l-1 and l that the fewest bytes cross
-    (then the fewest tensors; then the earliest)."""
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    for region in analysis.regions:
-        nodes = [region.row.node, *region.columns]
-        positions = [flow.position[n] for n in nodes if n in flow.position]
-        if not positions:
-            continue
-        first[region.layer] = min(first.get(region.layer, positions[0]), *positions)
-        last[region.layer] = max(last.get(region.layer, positions[0]), flow.position[region.row.node])
+def find_layer_boundaries(flow: GraphFlow, analysis: ModelAnalysis | None = None) -> list[LayerBoundary]:
+    """For each layer l >= 1 of the repeated residual blocks (``graph.blocks``), the cut between
+    layers l-1 and l that the fewest bytes cross (then the fewest tensors; then the earliest).
+    Attention regions of ``analysis`` count as attention where no attention core is recognised."""
+    return _layer_cuts(flow, group_layers(_residual_blocks(flow, analysis)))
+
+
+@dataclass(frozen=True)
+class StageCuts:
+    """Where a pipeline may be cut, and what was found to cut at."""
+
+    boundaries: list[LayerBoundary]
+    num_layers: int
+    found: str
+    """In words: the residual blocks and layers found, or the cheap cut points."""
+
+
+def find_stage_cuts(flow: GraphFlow, analysis: ModelAnalysis | None, num_stages: int) -> StageCuts:
+    """The layers of ``find_layer_boundaries``; in a graph with no residual block, ``num_stages``
+    stages cut at cheap crossing points balanced by ``find_balanced_cuts`` (fewer layers than
+    stages when the graph has fewer such points)."""
+    blocks = _residual_blocks(flow, analysis)
+    if blocks:
+        layers = group_layers(blocks)
+        return StageCuts(_layer_cuts(flow, layers), len(layers), describe_layers(blocks, layers))
+    boundaries = find_balanced_cuts(flow, num_stages)
+    return StageCuts(boundaries, len(boundaries) + 1,
+                     f"no residual block; {len(boundaries)} cut(s) at cheap crossing points balancing the stages")
+
+
+def _residual_blocks(flow: GraphFlow, analysis: ModelAnalysis | None) -> list[ResidualBlock]:
+    attention = [] if analysis is None else [
+        n for r in analysis.regions if r.kind == "attention" for n in (r.row.node, *r.columns)]
+    nodes = [n for n in flow.nodes if n.op == "placeholder" or n in flow.needed]
+    return find_residual_blocks(nodes, flow.state, attention=attention)
+
+
+def _layer_cuts(flow: GraphFlow, layers: list[list[ResidualBlock]]) -> list[LayerBoundary]:
+    """Between layer l-1's last residual add and layer l's first computed node, the cheapest cut."""
     costs = flow.crossing_costs()
     boundaries = []
-    for layer in range(1, analysis.num_layers):
-        lo, hi = last[layer - 1] + 1, first[layer]
+    for layer in range(1, len(layers)):
+        lo = flow.anchor[layers[layer - 1][-1].residual] + 1
+        hi = min(flow.anchor[n] for n in layers[layer][0].body if flow.computed(n))
         if lo > hi:
             raise ValueError(
                 f"layers {layer - 1} and {layer} interleave in the graph (layer {layer} starts at node "
@@ -189,9 +222,86 @@ def find_layer_boundaries(flow: GraphFlow, analysis: ModelAnalysis) -> list[Laye
                 "that run one after the other"
             )
         position = min(range(lo, hi + 1), key=lambda p: (costs[p], p))
-        crossing = tuple(flow.crossing(position))
-        boundaries.append(LayerBoundary(layer, position, crossing, sum(_nbytes(n) for n in crossing)))
+        boundaries.append(_boundary(flow, layer, position))
     return boundaries
+
+
+def _boundary(flow: GraphFlow, layer: int, position: int) -> LayerBoundary:
+    crossing = tuple(flow.crossing(position))
+    return LayerBoundary(layer, position, crossing, sum(_nbytes(n) for n in crossing))
+
+
+CUT_FLOPS_PER_BYTE = 989.4e12 / 50e9
+"""What sending one byte between stages costs, in FLOPs: an H100's peak over its inter-node
+bandwidth (``planner/cluster.py``), the link a pipeline crosses."""
+
+MAX_CUT_CANDIDATES = 256
+
+
+def find_balanced_cuts(flow: GraphFlow, num_stages: int) -> list[LayerBoundary]:
+    """Up to ``num_stages - 1`` cuts (fewer where the graph has fewer cut points) minimising the
+    slowest stage, a stage costing 3 x the forward FLOPs of its nodes (``graph.cost.node_cost``)
+    plus the bytes it sends, twice (activations forward, their gradients backward), x
+    ``CUT_FLOPS_PER_BYTE``; among equals, the fewest bytes sent. Candidates: ``_cut_candidates``."""
+    costs = flow.crossing_costs()
+    candidates = _cut_candidates(flow, costs)
+    work = [0] * len(flow.nodes)
+    for n in flow.nodes:
+        if flow.computed(n):
+            cost = node_cost(n)
+            work[flow.anchor[n]] += 3 * (cost.matmul_flops + cost.elementwise)
+    points = [0, *candidates, len(flow.nodes)]
+    send = [0.0, *(2 * costs[p][0] * CUT_FLOPS_PER_BYTE for p in candidates), 0.0]
+    chosen = _min_max_partition(_prefix(work), points, send, min(num_stages - 1, len(candidates)))
+    return [_boundary(flow, layer, p) for layer, p in enumerate(chosen, start=1)]
+
+
+def _cut_candidates(flow: GraphFlow, costs: list[tuple[int, int]]) -> list[int]:
+    """Positions right after a computed node, with a computed node after them, that tensors
+    cross and where crossing bytes are a local minimum; the cheapest ``MAX_CUT_CANDIDATES``."""
+    anchored = sorted({flow.anchor[n] for n in flow.nodes if flow.computed(n)})
+    if len(anchored) < 2:
+        return []
+    after_a_node = {p + 1 for p in anchored}
+    found = [
+        p for p in range(anchored[0] + 1, anchored[-1] + 1)
+        if costs[p][1] and p in after_a_node and costs[p][0] <= min(costs[p - 1][0], costs[p + 1][0])
+    ]
+    return sorted(sorted(found, key=lambda p: (costs[p][0], p))[:MAX_CUT_CANDIDATES])
+
+
+def _min_max_partition(work: list[float], points: list[int], send: list[float], cuts: int) -> list[int]:
+    """``cuts`` of ``points[1:-1]`` whose slowest stage is fastest, a stage from points[i] to
+    points[j] costing ``work[points[j]] - work[points[i]] + send[j]``; among those, the one
+    sending least in total. Two dynamic programs over (stage, end point), as ``balance_layers``:
+    O(cuts x points^2)."""
+    end = len(points) - 1
+
+    def stage(i: int, j: int) -> float:
+        return work[points[j]] - work[points[i]] + send[j]
+
+    def solve(combine, admissible) -> tuple[list[list[float]], list[list[int]]]:
+        best = [[float("inf")] * len(points) for _ in range(cuts + 2)]
+        choice = [[-1] * len(points) for _ in range(cuts + 2)]
+        best[0][0] = 0.0
+        for s in range(1, cuts + 2):
+            for j in ([end] if s == cuts + 1 else range(1, end)):
+                for i in range(j):
+                    if best[s - 1][i] == float("inf") or not admissible(i, j):
+                        continue
+                    candidate = combine(best[s - 1][i], i, j)
+                    if candidate < best[s][j]:
+                        best[s][j], choice[s][j] = candidate, i
+        return best, choice
+
+    slowest, _ = solve(lambda before, i, j: max(before, stage(i, j)), lambda i, j: True)
+    limit = slowest[cuts + 1][end]
+    _, choice = solve(lambda before, i, j: before + send[j], lambda i, j: stage(i, j) <= limit)
+    chosen, j = [], end
+    for s in range(cuts + 1, 1, -1):
+        j = choice[s][j]
+        chosen.append(points[j])
+    return chosen[::-1]
 
 
 # ---------------------------------------------------------------------------

@@ -13,7 +13,7 @@ def explain_pipeline(plan, options: ParallelOptions, pp_rank: int) -> str:
         f"sptransform pipeline: pp={pipeline.pp} x tp={options.tp} (sp={options.sp}), schedule={spec.name} "
         f"({spec.torch_class.__name__}), {pipeline.num_stages} stages ({pipeline.virtual} per rank, "
         f"{spec.placement} placement), n_microbatches={pipeline.n_microbatches}",
-        f"{plan.num_layers} layers; balanced on measured cost per microbatch (time = 3 x forward FLOPs + "
+        f"{plan.num_layers} layers ({plan.found}); balanced on measured cost per microbatch (time = 3 x forward FLOPs + "
         "elementwise; saved activation bytes x microbatches in flight):",
         f"  {'stage':>5} {'rank':>4} {'layers':>9} {'time':>14} {'saved/mb':>12} {'in flight':>9} {'peak saved':>12} "
         f"{'sends':>10}",

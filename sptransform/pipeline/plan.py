@@ -4,7 +4,7 @@
 returns where the stages begin, what each stage's graph is, where each stage runs,
 and which parameters several stages read:
 
-    find loss output -> find layer boundaries -> measure layer costs -> balance -> split
+    find loss output -> find layer boundaries (repeated residual blocks) -> measure layer costs -> balance -> split
 
 The costs are measured on the single-device graph (``pipeline_costs``); the
 microbatches each stage keeps in flight come from the schedule's own action order
@@ -21,7 +21,7 @@ import torch
 from sptransform.graph.analysis import analyze, find_loss_output
 from sptransform.capture import FakeTemplate, capture
 from sptransform.graph.plan import ParallelGraph
-from sptransform.passes.pipeline_split import GraphFlow, LayerBoundary, StageGraph, balance_layers, find_layer_boundaries, split_graph
+from sptransform.passes.pipeline_split import GraphFlow, LayerBoundary, StageGraph, balance_layers, find_stage_cuts, split_graph
 from sptransform.pipeline.costs import LayerCost, measure_layer_costs
 from sptransform.options import PipelineOptions
 from sptransform.torch_internals import maybe_disable_local_tensor_mode, pytree
@@ -52,6 +52,8 @@ class PipelinePlan:
     inflight: list[int]
     tied: list[TiedParameter]
     notes: list[str] = field(default_factory=list)
+    found: str = ""
+    """What the layers are, in words (``StageCuts.found``)."""
 
     def stages_of(self, rank: int) -> list[StageGraph]:
         return [s for s in self.stages if self.stage_rank[s.index] == rank]
@@ -63,13 +65,15 @@ def plan_pipeline(graph: ParallelGraph, template: FakeTemplate, args: tuple, kwa
     captured = graph.captured
     analysis = graph.analysis or analyze(captured, 1)
     flow = GraphFlow(captured, find_loss_output(captured, analysis))
-    num_layers, num_stages = analysis.num_layers, options.num_stages
+    num_stages = options.num_stages
+    cuts = find_stage_cuts(flow, analysis, num_stages)
+    num_layers, boundaries = cuts.num_layers, cuts.boundaries
     if num_layers < num_stages:
         raise ValueError(
             f"pp={options.pp} x stages_per_rank={options.virtual} = {num_stages} pipeline stages need at least "
-            f"{num_stages} transformer layers; the model has {num_layers}: use pp x stages_per_rank <= {num_layers}"
+            f"{num_stages} transformer layers; the model has {num_layers}: use pp x stages_per_rank <= {num_layers} "
+            f"(found {cuts.found})"
         )
-    boundaries = find_layer_boundaries(flow, analysis)
     spec = schedule_spec(options.schedule)
     ranks = stage_ranks(spec, options.pp, options.virtual)
     held = inflight(pipeline_order(spec, options.pp, options.virtual, options.n_microbatches), num_stages)
@@ -82,7 +86,7 @@ def plan_pipeline(graph: ParallelGraph, template: FakeTemplate, args: tuple, kwa
         users = [s.index for s in stages if name in s.state_names]
         if len(users) > 1:
             tied.append(TiedParameter(name, users, sorted({ranks[s] for s in users})))
-    return PipelinePlan(options, num_layers, boundaries, starts, stages, ranks, costs, held, tied)
+    return PipelinePlan(options, num_layers, boundaries, starts, stages, ranks, costs, held, tied, found=cuts.found)
 
 
 def _layer_costs(graph: ParallelGraph, flow: GraphFlow, boundaries, num_layers, template, args, kwargs):
@@ -94,7 +98,14 @@ def _layer_costs(graph: ParallelGraph, flow: GraphFlow, boundaries, num_layers, 
         single = capture(template, args, kwargs)
     analysis = analyze(single, 1)
     single_flow = GraphFlow(single, find_loss_output(single, analysis))
-    return measure_layer_costs(single_flow, find_layer_boundaries(single_flow, analysis), num_layers, flat)
+    single_cuts = find_stage_cuts(single_flow, analysis, num_layers)
+    if single_cuts.num_layers != num_layers:
+        raise ValueError(
+            f"the single-device graph has {single_cuts.num_layers} layers ({single_cuts.found}) where the "
+            f"tensor-parallel one has {num_layers}: the pipeline cannot measure its stages; report this model "
+            "to sptransform, or use tp=1"
+        )
+    return measure_layer_costs(single_flow, single_cuts.boundaries, num_layers, flat)
 
 
 def first_microbatch(args: tuple, kwargs: dict, n_microbatches: int) -> tuple[tuple, dict, int]:
@@ -125,13 +136,14 @@ def resplit_pipeline(graph: ParallelGraph, plan: PipelinePlan) -> PipelinePlan:
     starts. Stages keep their layers, ranks and parameters; costs are not measured again."""
     captured = graph.captured
     analysis = graph.analysis or analyze(captured, 1)
-    if analysis.num_layers != plan.num_layers:
+    flow = GraphFlow(captured, find_loss_output(captured, analysis))
+    cuts = find_stage_cuts(flow, analysis, plan.options.num_stages)
+    if cuts.num_layers != plan.num_layers:
         raise ValueError(
-            f"the model captured in its other train/eval mode has {analysis.num_layers} layers, not "
+            f"the model captured in its other train/eval mode has {cuts.num_layers} layers ({cuts.found}), not "
             f"{plan.num_layers}: a pipeline needs one layer structure in both modes"
         )
-    flow = GraphFlow(captured, find_loss_output(captured, analysis))
-    boundaries = find_layer_boundaries(flow, analysis)
+    boundaries = cuts.boundaries
     stages = split_graph(flow, [boundaries[s - 1] for s in plan.starts[1:]], plan.num_layers)
     for old, new in zip(plan.stages, stages):
         extra = set(new.state_names) - set(old.state_names)

@@ -190,3 +190,101 @@ def test_saved_bytes_count_what_autograd_keeps_per_layer():
     tokens, h, a = 2 * 8, 32, 4
     floor = 4 * tokens * (2 * h + h + 2 * h + 64 + 64) + 4 * 2 * a * 8 * 8  # norms, qkv/o/fc in, gelu, probs
     assert floor <= middle <= 3 * floor
+
+
+# ---------------------------------------------------------------------------
+# layers from structure: models whose attention the tensor-parallel analysis leaves whole
+
+
+def _chained_loss_and_grads(model: nn.Module, stages, args: tuple):
+    state = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers())}
+    activations: tuple = ()
+    for stage in stages:
+        out = stage.gm(*activations, *[state[n] for n in stage.state_names], *[args[i] for i in stage.user_inputs])
+        activations = out if isinstance(out, tuple) else (out,)
+    (loss,) = activations
+    loss.backward()
+    return loss, {name: p.grad for name, p in model.named_parameters()}
+
+
+def _assert_stages_reproduce(model: nn.Module, stages, args: tuple):
+    ref = copy.deepcopy(model)
+    ref_loss = ref(*args)
+    ref_loss.backward()
+    loss, grads = _chained_loss_and_grads(model, stages, args)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-9, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("name", ["alternating", "qk_norm", "multi_query"])
+def test_layers_are_residual_blocks_where_the_analysis_recognises_no_attention(name):
+    from models.pipeline_blocks import BLOCK_MODELS, BlocksConfig
+
+    torch.manual_seed(0)
+    model = BLOCK_MODELS[name](BlocksConfig(layers=3)).double()
+    args = _ids(96)
+    flow, analysis = _flow(model, args)
+    assert analysis.num_layers == 1  # what refused pp=2 before
+    boundaries = find_layer_boundaries(flow, analysis)
+    assert [b.layer for b in boundaries] == [1, 2]
+    for b in boundaries:
+        assert len(b.crossing) == 1, [n.name for n in b.crossing]
+        assert tuple(b.crossing[0].meta["val"].shape) == (2, 8, 32) and b.nbytes == 2 * 8 * 32 * 8
+    _assert_stages_reproduce(model, split_graph(flow, boundaries, 3), args)
+
+
+class ResidualFreeLM(nn.Module):
+    """Embedding, a plain stack of linears (no residual add anywhere), final norm, head, loss."""
+
+    def __init__(self, widths=(32, 64, 32, 64, 32)):
+        super().__init__()
+        self.embed = nn.Embedding(61, widths[0])
+        self.stack = nn.Sequential(*(m for a, b in zip(widths, widths[1:]) for m in (nn.Linear(a, b), nn.Tanh())))
+        self.norm = nn.LayerNorm(widths[-1])
+        self.head = nn.Linear(widths[-1], 61)
+
+    def forward(self, idx, targets):
+        logits = self.head(self.norm(self.stack(self.embed(idx))))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 61), targets.reshape(-1))
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_a_graph_without_residual_blocks_is_cut_at_cheap_points_that_balance_the_stages(num_stages):
+    from sptransform.passes.pipeline_split import find_stage_cuts
+
+    torch.manual_seed(0)
+    model = ResidualFreeLM().double()
+    args = _ids(61)
+    flow, analysis = _flow(model, args)
+    assert find_layer_boundaries(flow, analysis) == []
+    cuts = find_stage_cuts(flow, analysis, num_stages)
+    assert cuts.num_layers == num_stages and "no residual block" in cuts.found
+    for b in cuts.boundaries:  # between linears, where one 32-wide activation crosses (not a 64-wide one)
+        assert len(b.crossing) == 1 and b.crossing[0].meta["val"].shape[-1] == 32, [n.name for n in b.crossing]
+    costs = measure_layer_costs(flow, cuts.boundaries, cuts.num_layers, list(args))
+    assert max(c.time for c in costs) < 0.75 * sum(c.time for c in costs)
+    _assert_stages_reproduce(model, split_graph(flow, cuts.boundaries, cuts.num_layers), args)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_balanced_cuts_minimize_the_slowest_stage_counting_what_each_stage_sends(data):
+    from sptransform.passes.pipeline_split import _min_max_partition
+
+    nodes = data.draw(st.integers(2, 12))
+    work = data.draw(st.lists(st.integers(0, 50), min_size=nodes, max_size=nodes))
+    candidates = sorted(data.draw(st.sets(st.integers(1, nodes - 1), min_size=1)))
+    cuts = data.draw(st.integers(1, len(candidates)))
+    sends = data.draw(st.lists(st.integers(0, 30), min_size=len(candidates), max_size=len(candidates)))
+    prefix = [sum(work[:p]) for p in range(nodes + 1)]
+    points, send = [0, *candidates, nodes], [0, *sends, 0]
+
+    def price(chosen):
+        bounds = [0, *(points.index(c) for c in chosen), len(points) - 1]
+        stages = [prefix[points[j]] - prefix[points[i]] + send[j] for i, j in zip(bounds, bounds[1:])]
+        return max(stages), sum(send[j] for j in bounds[1:])
+
+    chosen = _min_max_partition(prefix, points, send, cuts)
+    assert len(chosen) == cuts and chosen == sorted(set(chosen))
+    assert price(chosen) == min(price(list(c)) for c in itertools.combinations(candidates, cuts))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 import sptransform
@@ -58,3 +59,22 @@ def test_explain_names_stages_cuts_and_how_tied_weights_are_kept():
     assert "forward outputs are freed once sent" in text
     held = {name for name, _ in pm.named_parameters()}
     assert "blocks.0.attn.q.weight" in held and "norm.weight" not in held  # rank 0 holds only its stage
+
+
+@pytest.mark.parametrize("name,found", [
+    ("alternating", "4 residual blocks in 2 layers of 2 block(s); their ops repeat every 2 block(s)"),
+    ("qk_norm", "4 residual blocks in 2 layers of 2 block(s); a layer starts at each block holding attention"),
+    ("multi_query", "2 residual blocks in 2 layers of 1 block(s); a layer starts at each block holding attention"),
+])
+def test_models_whose_attention_the_analysis_leaves_whole_get_a_stage_per_layer(name, found):
+    """x-transformers-like, OLMo-2-like and Falcon-like layers: the analysis finds 1 layer (pp=2 was refused)."""
+    from models.pipeline_blocks import BLOCK_MODELS, BlocksConfig
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 96, (4, 8))
+    with fake_group(2):
+        pm = sptransform.parallelize(BLOCK_MODELS[name](BlocksConfig()), tp=1, pp=2, schedule="1f1b",
+                                     n_microbatches=2, example_inputs=(ids, ids.roll(-1, 1)))
+        text = pm.explain()
+    assert f"2 layers ({found})" in text, text
+    assert "(2,048 B)" in text  # one [2, 8, 32] fp32 residual stream crosses the cut

@@ -89,3 +89,10 @@ def test_step_with_other_shapes_than_the_example():
             pm.step(*_batch(8))
         with pytest.raises(TypeError, match=r"call \.step\(\*inputs, \*\*kwargs\)"):
             pm(*_batch(4))
+
+
+def test_fewer_layers_than_stages_says_what_was_found():
+    with fake_group(2), pytest.raises(ValueError, match=r"the model has 1: use pp x stages_per_rank <= 1 \(found 2 "
+                                                        r"residual blocks in 1 layers of 2 block\(s\); a layer starts "
+                                                        r"at each block holding attention\)"):
+        sptransform.parallelize(_model(1), tp=1, pp=2, schedule="1f1b", n_microbatches=2, example_inputs=_batch())
