@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import warnings
+import weakref
 
 import torch
 
@@ -265,6 +266,24 @@ def queue_backward_callback(callback) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
+def hold_mesh_groups_weakly(mesh) -> None:
+    """Make ``mesh`` (a root DeviceMesh) hold its process groups by weak reference.
+
+    ``init_device_mesh`` keeps every group it creates in ``DeviceMesh._pg_registry`` (a dict
+    name -> ProcessGroup, read only while torch.compile traces ``get_group``; eagerly a group is
+    resolved by name through c10d's registry, which ``destroy_process_group`` empties). DTensor's
+    sharding caches keep every mesh they have seen until the interpreter ends, so a strong
+    registry keeps the groups alive after ``destroy_process_group``: gloo's worker threads then
+    still run while Python finalizes, and a worker that releases a finished collective's tensors
+    takes the GIL there, which ends the thread inside a C++ destructor (``terminate called
+    without an active exception``). Held weakly, a group lives exactly as long as c10d keeps it
+    (``_world`` holds the same Python object until ``destroy_process_group``), and compiled
+    lookups work while it does. Slices of the mesh register their groups in the root's registry,
+    so they inherit this. Public replacement: none (torch has no option for a mesh that names its
+    groups without owning them)."""
+    mesh._pg_registry = weakref.WeakValueDictionary(mesh._pg_registry)
+
+
 def stage_forward_cache(stage) -> dict:
     """``PipelineStage.fwd_cache``: the outputs a stage keeps until that microbatch's backward,
     which ``_FreeingStage`` releases early. Public replacement: none."""
@@ -300,7 +319,8 @@ __all__ = [
     "FakeStore", "FakeTensor", "FakeTensorMode", "LocalTensor", "LocalTensorMode", "StorageWeakRef", "StridedShard",
     "TESTED_TORCH", "aot_module_simplified", "default_partition", "detect_fake_mode", "dtensor_as", "dynamo_static_input",
     "funcol", "plain_dtensor",
-    "functorch_config", "generate_stage_to_rank_mapping", "get_schedule_ops", "inductor_graph_compilers", "local_tensor_mode",
+    "functorch_config", "generate_stage_to_rank_mapping", "get_schedule_ops", "hold_mesh_groups_weakly",
+    "inductor_graph_compilers", "local_tensor_mode",
     "local_values",
     "make_boxed_func",
     "maybe_disable_local_tensor_mode", "min_cut_rematerialization_partition", "partitioners", "pytree",

@@ -1,4 +1,10 @@
-"""The device meshes sptransform runs on, resolved from the user's ``mesh`` or the process group."""
+"""The device meshes sptransform runs on, resolved from the user's ``mesh`` or the process group.
+
+A mesh built here holds its process groups weakly (``torch_internals.hold_mesh_groups_weakly``):
+the parallel module keeps its mesh, and DTensor's caches keep every mesh until the interpreter
+ends, so a mesh that owned its groups would keep them, and gloo's threads, alive after
+``destroy_process_group`` (an abort at exit). A mesh passed in is the caller's and is left as
+it is."""
 
 from __future__ import annotations
 
@@ -6,9 +12,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from sptransform.torch_internals import hold_mesh_groups_weakly
+
 
 def _device_type(device: torch.device) -> str:
     return "cuda" if device.type == "cuda" else "cpu"
+
+
+def _new_mesh(device: torch.device, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """A mesh over the whole process group that does not keep its groups alive (module docstring)."""
+    mesh = init_device_mesh(_device_type(device), shape, mesh_dim_names=names)
+    hold_mesh_groups_weakly(mesh)
+    return mesh
 
 
 def resolve_tp_mesh(tp: int, mesh: DeviceMesh | None, device: torch.device) -> DeviceMesh | None:
@@ -32,7 +47,7 @@ def resolve_tp_mesh(tp: int, mesh: DeviceMesh | None, device: torch.device) -> D
             f"tp={tp} differs from the process group's size {world}: use tp={world}, "
             "or pass mesh= a 1-D DeviceMesh of tp ranks"
         )
-    return init_device_mesh(_device_type(device), (tp,), mesh_dim_names=("tp",))
+    return _new_mesh(device, (tp,), ("tp",))
 
 
 def resolve_pipeline_mesh(pp: int, tp: int, mesh: DeviceMesh | None, device: torch.device) -> DeviceMesh:
@@ -55,7 +70,7 @@ def resolve_pipeline_mesh(pp: int, tp: int, mesh: DeviceMesh | None, device: tor
             f"pp={pp} x tp={tp} = {pp * tp} ranks, but the process group has {world}: "
             f"choose pp and tp with pp * tp == {world}, or pass mesh= a ({pp}, {tp}) DeviceMesh"
         )
-    return init_device_mesh(_device_type(device), (pp, tp), mesh_dim_names=("pp", "tp"))
+    return _new_mesh(device, (pp, tp), ("pp", "tp"))
 
 
 MESH_AXES = ("dp", "pp", "tp")
@@ -90,5 +105,4 @@ def resolve_mesh(dp: int, pp: int, tp: int, mesh: DeviceMesh | None, device: tor
             f"dp={dp} x pp={pp} x tp={tp} = {world} ranks, but the process group has {dist.get_world_size()}: "
             f"choose sizes whose product is {dist.get_world_size()}, or pass mesh="
         )
-    return init_device_mesh(_device_type(device), tuple(size for _, size in wanted),
-                            mesh_dim_names=tuple(name for name, _ in wanted))
+    return _new_mesh(device, tuple(size for _, size in wanted), tuple(name for name, _ in wanted))
