@@ -285,7 +285,7 @@ def _capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph
         # buffer becomes ``slice_scatter``, and later readers read its result).
         with disable_current_modes():  # a disabled LocalTensorMode still on the stack breaks functionalization
             ep = ep.run_decompositions({})
-        _views_as_reshapes(ep.graph_module)
+        views_as_reshapes(ep.graph_module)
         _refuse_hidden_writes(ep.graph_module)
     _drop_export_asserts(ep.graph_module)
     _merge_duplicate_state(ep.graph_module, state_names)  # input order is the signature's, before and after
@@ -346,15 +346,17 @@ def _merge_duplicate_state(gm: fx.GraphModule, state_names: list[str]) -> None:
         gm.recompile()
 
 
-def _views_as_reshapes(gm: fx.GraphModule) -> None:
-    """Functionalization turns ``reshape`` into ``view`` where the traced (fake) strides allowed
-    it, but a kernel may lay out its output otherwise at run time (SDPA's, then ``transpose``).
-    A functional graph never writes through a view, so a ``reshape`` means the same and copies
-    only when it must."""
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is torch.ops.aten.view.default:
-            node.target = torch.ops.aten.reshape.default
-    gm.recompile()
+def views_as_reshapes(gm: fx.GraphModule) -> None:
+    """Every ``view`` of a functional graph made a ``reshape`` (in place). Tracing turns
+    ``reshape`` into ``view`` where the traced (fake) strides allowed it, but what runs may lay a
+    value out otherwise: a kernel at run time (SDPA's output, then ``transpose``; at capture),
+    or inductor's decompositions of a partitioned graph (``passes.remat``). A functional graph
+    never writes through a view, so a ``reshape`` means the same and copies only when it must."""
+    views = [node for node in gm.graph.nodes if node.op == "call_function" and node.target is torch.ops.aten.view.default]
+    for node in views:
+        node.target = torch.ops.aten.reshape.default
+    if views:
+        gm.recompile()
 
 
 def _drop_export_asserts(gm: fx.GraphModule) -> None:

@@ -92,6 +92,10 @@ try:
     from torch._functorch.aot_autograd import aot_module_simplified
     from functorch.compile import make_boxed_func
 
+    # TracingContext: what a compiler hands strides back through (see ``stride_reporting``).
+    # Public replacement: none.
+    from torch._guards import TracingContext, tracing
+
     # torch's own partitioners (for measuring against them) and the pieces of theirs our
     # partition reuses: node classification, forward/backward extraction, RNG functionalization,
     # the backward reordering that mimics the autograd engine. Public replacement: none.
@@ -204,30 +208,36 @@ def plain_dtensor(dtensor):
 _RNG_REPLAY = (run_and_save_rng_state, run_with_rng_state)
 
 
+def inductor_decomposed(gm, example_inputs):
+    """``gm`` re-traced on ``example_inputs`` with inductor's decomposition table (``make_fx``,
+    under the inputs' fake mode, so that constants a decomposition makes are fake too): the
+    graph inductor compiles. Its values may be laid out otherwise than ``gm``'s: a decomposition
+    need not return the strides of the ATen kernel it replaces. Public replacement: none."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    mode = detect_fake_mode(example_inputs)
+    with mode if mode is not None else contextlib.nullcontext():
+        return make_fx(gm, decomposition_table=select_decomp_table())(*example_inputs)
+
+
 def inductor_graph_compilers(num_user_outputs: int, model=None):
     """Inductor's compilers for a forward and a backward graph partitioned by someone else:
     ``(fw_compiler, bw_compiler)`` for AOTAutograd, what ``compile_fx`` builds around its own
     partitioner (``compile_fx_forward`` / ``compile_fx_backward`` sharing one
     ``CompilerConfigExtra``: inductor's post-grad passes, codegen, cudagraph bookkeeping).
-    Each graph is first re-traced with inductor's decomposition table: the joint graph was
-    traced without it, so that the partition reads the model's own ops (``native_layer_norm``,
-    ``_softmax``, SDPA), and re-tracing a partitioned graph keeps its inputs and outputs, so the
-    saved tensors stay the partition's. ``num_user_outputs``: the forward outputs that are the
+    Each graph is first re-traced with inductor's decomposition table (``inductor_decomposed``):
+    the joint graph was traced without it, so that the partition reads the model's own ops
+    (``native_layer_norm``, ``_softmax``, SDPA), and re-tracing a partitioned graph keeps its
+    inputs and outputs, so the saved tensors stay the partition's (not their strides: the
+    forward reports its own, see ``stride_reporting``). ``num_user_outputs``: the forward outputs that are the
     module's own (the rest are saved tensors). Public replacement: none (``torch.compile`` takes
     a partitioner only as inductor's ``config.custom_partitioner_fn``, which partitions the
     joint graph after inductor's decompositions and joint-graph passes)."""
     from torch._inductor import compile_fx as inductor
     from torch._inductor import config as inductor_config
-    from torch._inductor.decomposition import select_decomp_table
-    from torch.fx.experimental.proxy_tensor import make_fx
 
     extra = inductor.create_compiler_config_extra(model)
-
-    def decomposed(gm, example_inputs):
-        # under the inputs' fake mode, so that constants a decomposition makes are fake too
-        mode = detect_fake_mode(example_inputs)
-        with mode if mode is not None else contextlib.nullcontext():
-            return make_fx(gm, decomposition_table=select_decomp_table())(*example_inputs)
 
     # fallback_random: the random ops (dropout masks, drawn from the generators that
     # ``passes.dropout`` and the remat replay set) run as ATen's, so the masks are eager's;
@@ -245,16 +255,31 @@ def inductor_graph_compilers(num_user_outputs: int, model=None):
     def fw_compiler(gm, example_inputs):
         with settings(gm):
             return inductor.compile_fx_forward(
-                decomposed(gm, example_inputs), example_inputs, num_orig_model_outputs=num_user_outputs,
+                inductor_decomposed(gm, example_inputs), example_inputs, num_orig_model_outputs=num_user_outputs,
                 num_example_inputs=len(example_inputs), compiler_config_extra=extra,
             )
 
     def bw_compiler(gm, example_inputs):
         with settings(gm):
-            return inductor.compile_fx_backward(decomposed(gm, example_inputs), example_inputs,
+            return inductor.compile_fx_backward(inductor_decomposed(gm, example_inputs), example_inputs,
                                                 compiler_config_extra=extra)
 
     return fw_compiler, bw_compiler
+
+
+def stride_reporting(example_inputs):
+    """A ``TracingContext`` around an AOTAutograd call made outside ``torch.compile`` (where dynamo
+    installs none; a context already installed is kept). Through it inductor reports the strides
+    it chose for the forward graph's outputs, and AOTAutograd re-strides the backward graph's
+    inputs for the saved tensors to match before compiling it (``_aot_stage2b_bw_compile``).
+    Without one, the backward is compiled for the joint trace's strides while inductor's forward
+    lays a saved tensor out otherwise (its ``cat`` decomposition keeps the layout of the one
+    non-empty input, where ATen's ``cat`` returns it contiguous), and inductor's size/stride
+    assertion on the backward's input fails. Its fake mode is the inputs' (fake inputs) or a
+    new one, as AOTAutograd would make. Public replacement: none."""
+    if TracingContext.try_get() is not None:
+        return contextlib.nullcontext()
+    return tracing(TracingContext(detect_fake_mode(list(example_inputs)) or FakeTensorMode()))
 
 
 def queue_backward_callback(callback) -> None:
@@ -319,10 +344,11 @@ __all__ = [
     "FakeStore", "FakeTensor", "FakeTensorMode", "LocalTensor", "LocalTensorMode", "StorageWeakRef", "StridedShard",
     "TESTED_TORCH", "aot_module_simplified", "default_partition", "detect_fake_mode", "dtensor_as", "dynamo_static_input",
     "funcol", "plain_dtensor",
-    "functorch_config", "generate_stage_to_rank_mapping", "get_schedule_ops", "hold_mesh_groups_weakly",
+    "functorch_config", "generate_stage_to_rank_mapping", "get_schedule_ops", "hold_mesh_groups_weakly", "inductor_decomposed",
     "inductor_graph_compilers", "local_tensor_mode",
     "local_values",
     "make_boxed_func",
     "maybe_disable_local_tensor_mode", "min_cut_rematerialization_partition", "partitioners", "pytree",
-    "queue_backward_callback", "quiet_fake_tensor_meta_failures", "resolve_process_group", "run_and_save_rng_state", "run_with_rng_state", "stage_forward_cache", "tensor_map",
+    "queue_backward_callback", "quiet_fake_tensor_meta_failures", "resolve_process_group", "run_and_save_rng_state",
+    "run_with_rng_state", "stage_forward_cache", "stride_reporting", "tensor_map",
 ]

@@ -56,6 +56,7 @@ from sptransform.runtime.collectives import _resolve
 from sptransform.runtime.rng import RankGenerators
 from sptransform.torch_internals import (
     aot_module_simplified, inductor_graph_compilers, local_tensor_mode, make_boxed_func, maybe_disable_local_tensor_mode, pytree,
+    stride_reporting,
 )
 
 log = logging.getLogger(__name__)
@@ -248,10 +249,13 @@ def aot_compile(module: torch.nn.Module, tensor_inputs: Sequence[torch.Tensor], 
     ``module``'s own parameters and buffers in front of ``tensor_inputs`` (``state_count``);
     ``overlap`` runs the overlap pass on both partitioned graphs. The joint graph is traced
     without decompositions (the partition reads the model's own ops); inductor decomposes each
-    partitioned graph itself."""
+    partitioned graph itself, and may lay a saved tensor out otherwise than the joint trace did:
+    the backward is compiled for the strides the compiled forward reports (``stride_reporting``),
+    as under ``torch.compile``."""
     fw_compiler, bw_compiler = graph_compilers(compile, _num_outputs(module), module, overlap=overlap)
-    return aot_module_simplified(module, list(tensor_inputs), fw_compiler=fw_compiler, bw_compiler=bw_compiler,
-                                 partition_fn=partition_fn)
+    with stride_reporting(tensor_inputs):
+        return aot_module_simplified(module, list(tensor_inputs), fw_compiler=fw_compiler, bw_compiler=bw_compiler,
+                                     partition_fn=partition_fn)
 
 
 def _num_outputs(module: torch.nn.Module) -> int:

@@ -153,3 +153,86 @@ class SeqFirstLM(nn.Module):
         x = x + self.down(F.gelu(self.up(self.ln2(x))))
         logits = self.head(self.lnf(x))
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+@dataclass(frozen=True)
+class LayoutConfig:
+    """The layouts attention code hands between ops, as litgpt writes them (Llama 2/3, Qwen 3,
+    Gemma 2): a fused [q|k|v] projection viewed to heads and transposed, rotary on the first
+    ``rope_dims`` of each head joined back with ``cat`` (an empty second part when it covers
+    the whole head), grouped K/V heads expanded to the query heads, and either SDPA or an
+    explicit attention with tanh soft-capping whose matmuls view transposed, expanded tensors."""
+
+    vocab: int = 61
+    hidden: int = 32
+    heads: int = 4
+    kv_heads: int = 2
+    layers: int = 1
+    rope_dims: int = 8  # of head_dim = hidden // heads
+    expand: str = "repeat_interleave"  # litgpt; or "expand" (HF's repeat_kv: expand + reshape)
+    attention: str = "softcap"  # Gemma 2; or "sdpa"
+    softcap: float = 5.0
+
+
+class LayoutAttention(nn.Module):
+    def __init__(self, c: LayoutConfig):
+        super().__init__()
+        self.c, hd = c, c.hidden // c.heads
+        self.qkv = nn.Linear(c.hidden, (c.heads + 2 * c.kv_heads) * hd, bias=False)
+        self.proj = nn.Linear(c.heads * hd, c.hidden, bias=False)
+
+    def _rope(self, x, cos, sin):  # x: [b, heads, s, hd], rotate-half on the first rope_dims
+        n = self.c.rope_dims
+        x1, x2 = x[..., : n // 2], x[..., n // 2 : n]
+        roped = x[..., :n] * cos + torch.cat((-x2, x1), dim=-1) * sin
+        return torch.cat((roped, x[..., n:]), dim=-1)
+
+    def _expand(self, x):  # [b, kv_heads, s, hd] -> [b, heads, s, hd]
+        rep = self.c.heads // self.c.kv_heads
+        if self.c.expand == "expand":
+            b, g, s, hd = x.shape
+            return x[:, :, None].expand(b, g, rep, s, hd).reshape(b, g * rep, s, hd)
+        return x.repeat_interleave(rep, dim=1)
+
+    def forward(self, x, cos, sin):  # x: [b, s, h]
+        b, s, _ = x.shape
+        c, hd = self.c, self.c.hidden // self.c.heads
+        q, k, v = self.qkv(x).split((c.heads * hd, c.kv_heads * hd, c.kv_heads * hd), dim=-1)
+        q = q.view(b, s, c.heads, hd).transpose(1, 2)  # [b, heads, s, hd], not contiguous
+        k = k.view(b, s, c.kv_heads, hd).transpose(1, 2)
+        v = v.view(b, s, c.kv_heads, hd).transpose(1, 2)
+        q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+        k, v = self._expand(k), self._expand(v)
+        if c.attention == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=hd**-0.5)
+        else:
+            scores = q @ k.mT * hd**-0.5
+            scores = torch.tanh(scores / c.softcap) * c.softcap
+            mask = torch.ones(s, s, dtype=q.dtype, device=q.device).triu(diagonal=1) * torch.finfo(q.dtype).min
+            y = F.softmax(scores + mask, dim=-1) @ v
+        return self.proj(y.transpose(1, 2).reshape(b, s, c.heads * hd))
+
+
+class LayoutLM(nn.Module):
+    """Tokens in, the cross-entropy loss out (the loss inside the module, as a training wrapper
+    has it). Pre-norm attention blocks without an MLP: the layouts are the attention's, and
+    each op less is less for inductor to compile in the tests."""
+
+    def __init__(self, c: LayoutConfig, max_len: int = 64):
+        super().__init__()
+        self.tok = nn.Embedding(c.vocab, c.hidden)
+        self.norms = nn.ModuleList(RMSNorm(c.hidden) for _ in range(c.layers))
+        self.blocks = nn.ModuleList(LayoutAttention(c) for _ in range(c.layers))
+        self.norm, self.head = RMSNorm(c.hidden), nn.Linear(c.hidden, c.vocab, bias=False)
+        angles = torch.arange(max_len)[:, None] / 10000 ** (torch.arange(c.rope_dims // 2) / (c.rope_dims // 2))
+        angles = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, ids, targets):
+        s = ids.shape[1]
+        x, cos, sin = self.tok(ids), self.cos[:s], self.sin[:s]
+        for norm, attention in zip(self.norms, self.blocks):
+            x = x + attention(norm(x), cos, sin)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -37,7 +37,10 @@ graph and returns new forward and backward graph modules. It is split in two:
   at ``flops_per_comm_byte``), except SP's re-gather (``regather_sequence_shards``).
 * **rewrite** (``apply_plan``): extract the forward and backward modules around the
   saved set, drop dead recomputation, replay the recomputed random ops and order the
-  backward so recomputation happens just before use. Before finding, two rewrites of
+  backward so recomputation happens just before use; every ``view`` of the two graphs becomes
+  a ``reshape`` (a copy only where what runs lays the value out otherwise than the joint
+  trace: inductor decomposes the graphs again and chooses the saved tensors' layouts, which
+  the backward is then compiled for, see ``transform.aot_compile``). Before finding, two rewrites of
   the joint graph (``isolate_dropout_masks``, ``compact_bernoulli_masks``) make masks
   one byte and their replay independent of activations.
 
@@ -58,6 +61,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from sptransform.options import REMAT_POLICIES as POLICIES  # noqa: F401  (re-exported)
 from sptransform.options import RematOptions, RematPolicy  # noqa: F401  (re-exported)
+from sptransform.capture import views_as_reshapes
 from sptransform.graph.cost import FORWARD_TAG
 from sptransform.torch_internals import detect_fake_mode, run_with_rng_state
 from sptransform.torch_internals import partitioners as torch_partitioners
@@ -124,6 +128,12 @@ def apply_plan(analysis: JointAnalysis, plan: RematPlan) -> tuple[fx.GraphModule
     if own:
         replay_own_generators(fw, bw, own, num_sym_nodes=len(saved_sym))
     bw = torch_partitioners.reordering_to_mimic_autograd_engine(bw)
+    # The joint graph's views are valid for the strides of its trace (ATen's kernels); the
+    # partitioned graphs may run on other layouts: inductor re-traces them with its
+    # decompositions (its ``cat`` of one non-empty tensor keeps that tensor's layout, ATen's
+    # returns it contiguous) and hands the backward the saved tensors as its forward laid them out.
+    views_as_reshapes(fw)
+    views_as_reshapes(bw)
     return fw, bw
 
 

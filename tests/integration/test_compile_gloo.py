@@ -1,6 +1,8 @@
 """Inductor on real gloo ranks (tp=2): the partitioned graphs of ``recompute`` compiled with
 ``compile="inductor"``, for the module and for pipeline stages, and ``torch.compile(pm)`` with
-the default inductor backend, each trained beside the single-device HF GPT-2 it came from.
+the default inductor backend, each trained beside the single-device HF GPT-2 it came from; and
+every recompute policy compiled on attention code whose layouts inductor's decompositions
+change (litgpt-style ``LayoutLM``, hypothesis over its layouts).
 
 One process group for every case (spawning and importing are the slow part); each rank trains
 the single-device reference itself and compares the loss and every gathered gradient."""
@@ -17,7 +19,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from simulate import free_port
+from hypothesis import Phase, example, given, settings
+from hypothesis import strategies as st
+
+from simulate import free_port, spawn_with_deadline
+from tiny_models import LayoutConfig, LayoutLM
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
@@ -153,3 +159,57 @@ def _worker(rank: int, world: int, port: int) -> None:
 
 def test_inductor_compiled_parallel_gpt2_trains_like_one_device():
     mp.spawn(_worker, args=(2, free_port()), nprocs=2, join=True)
+
+
+# Each example compiles a forward and a backward with inductor on both ranks (the slow part):
+# the explicit examples cover every policy and both attentions, the draws add layouts. No
+# shrinking: both ranks must run the same examples in the same order.
+@settings(derandomize=True, max_examples=2, deadline=None, database=None, phases=(Phase.explicit, Phase.generate))
+@given(config=st.builds(LayoutConfig, kv_heads=st.sampled_from([4, 2]), rope_dims=st.sampled_from([4, 8]),
+                        expand=st.sampled_from(["expand", "repeat_interleave"]),
+                        attention=st.sampled_from(["sdpa", "softcap"])),
+       policy=st.sampled_from(["full", "selective", 0.5]))
+@example(config=LayoutConfig(rope_dims=8, attention="sdpa"), policy="selective")  # litgpt Llama: a saved q relaid
+@example(config=LayoutConfig(rope_dims=8, attention="softcap", expand="expand"), policy="full")  # Gemma 2: views
+@example(config=LayoutConfig(rope_dims=8, attention="softcap", kv_heads=4), policy=0.5)
+def _layouts_compiled_with_inductor(config: LayoutConfig, policy) -> None:
+    """recompute=policy, compile="inductor" at tp=2: one step equals the single device. The
+    partitioned graphs are compiled after inductor's decompositions, which lay the rotated q
+    and k out transposed (``cat`` with an empty rest): crashed on views of them and on the
+    saved tensors' strides before."""
+    import sptransform
+
+    start = time.perf_counter()
+    torch.manual_seed(0)
+    model = LayoutLM(config)
+    ref = copy.deepcopy(model)
+    ids, targets = torch.randint(0, config.vocab, (2, 8)), torch.randint(0, config.vocab, (2, 8))
+    pm = sptransform.parallelize(model, tp=dist.get_world_size(), example_inputs=(ids, targets), recompute=policy,
+                                 compile="inductor")
+    loss = pm(ids, targets)
+    loss.backward()
+    ref_loss = ref(ids, targets)
+    ref_loss.backward()
+    what = f"{config}, recompute={policy!r}"
+    torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
+    _assert_grads(pm, ref, what)
+    if dist.get_rank() == 0 and os.environ.get("SPTRANSFORM_TEST_TIMES"):
+        print(f"{what}: {time.perf_counter() - start:.1f} s", flush=True)
+
+
+def _layouts_worker(rank: int, world: int, port: int) -> None:
+    torch.set_num_threads(1)  # two ranks share two cores
+    from torch._inductor import config as inductor_config
+
+    inductor_config.compile_threads = 1  # no pool of compile workers beside the two ranks (a spawned process)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=200))
+    try:
+        _layouts_compiled_with_inductor()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_recompute_policy_compiled_by_inductor_trains_like_one_device_for_attention_layouts():
+    spawn_with_deadline(_layouts_worker, 2, 300)

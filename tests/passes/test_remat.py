@@ -1,5 +1,5 @@
 """The rematerialisation pass: options and errors, the budget solver's frontier, random ops and
-collectives, fused attention."""
+collectives, fused attention, the partitioned graphs under inductor's decompositions."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from sptransform.measure.parallel import fake_process_group
 from sptransform.graph.nodes import is_collective
 from sptransform.passes.remat import POLICIES, RematOptions, analysis_cost
 from sptransform.planner.presets import PRESETS
+from sptransform.torch_internals import inductor_decomposed
+from tiny_models import LayoutConfig, LayoutLM
 
 TINY = PRESETS["gpt2-tiny"]  # 2 layers, h=128, 4 heads, explicit attention, dropout 0.1
 
@@ -187,3 +189,51 @@ def test_sequence_parallel_saves_the_local_shard_and_gathers_again(sp_mlp):
     gather = next(n for n in _forward_collectives(shard.backward) if node_cost(n).comm_bytes)
     assert node_cost(gather).comm_bytes == gathered  # priced by the bytes it moves
     assert shard.flops().recomputed.comm_bytes == gathered
+
+
+
+def _run_decomposed(config: LayoutConfig, policy):
+    """Partition ``LayoutLM(config)``, re-trace its forward with inductor's decompositions and run
+    it, then re-trace and run its backward for the saved tensors as that forward laid them out
+    (what AOTAutograd hands inductor's backward once the forward reports its output strides).
+    Returns the loss, the parameters' gradients and which saved tensors came out laid out
+    otherwise than the joint trace had them."""
+    torch.manual_seed(0)
+    model = LayoutLM(config)
+    ids, targets = torch.randint(0, config.vocab, (2, 8)), torch.randint(0, config.vocab, (2, 8))
+    options = RematOptions(policy="budget", budget=policy) if isinstance(policy, float) else RematOptions(policy=policy)
+    p = partition_module(model, [ids, targets], options=options)
+    for graph in (p.forward, p.backward):
+        assert not graph.graph.find_nodes(op="call_function", target=torch.ops.aten.view.default)
+    state = [*model.parameters(), *model.buffers()]
+    loss, *saved = inductor_decomposed(p.forward, [*state, ids, targets])(*state, ids, targets)
+    traced = [n.meta["val"] for n in p.backward.graph.find_nodes(op="placeholder")][: len(saved)]
+    relaid = [i for i, (x, t) in enumerate(zip(saved, traced)) if x.stride() != t.stride()]
+    seed = torch.ones_like(loss)
+    grads = inductor_decomposed(p.backward, [*saved, seed])(*saved, seed)
+    reference = model(ids, targets)
+    reference.backward()
+    torch.testing.assert_close(loss, reference.detach())
+    for param, grad in zip(model.parameters(), grads):
+        torch.testing.assert_close(grad, param.grad, rtol=1e-5, atol=1e-6)
+    return relaid
+
+
+@pytest.mark.parametrize("policy", ["selective", "full", 0.5])
+def test_partitioned_graphs_retrace_with_inductor_decompositions_and_train_like_eager(policy):
+    """Inductor compiles each partitioned graph re-traced with its decompositions, which may lay
+    values out otherwise than the joint trace: its ``cat`` of one non-empty tensor (rotary over
+    the whole head joined with an empty rest) keeps the transposed layout of q and k where
+    ATen's returns them contiguous. The joint graph's ``view`` of the rotated q for the softcap
+    attention's ``q @ k.mT`` failed there (inductor: "Cannot view a tensor with shape ..."); the
+    partition's graphs have reshapes, and both re-trace and give eager's loss and gradients."""
+    _run_decomposed(LayoutConfig(rope_dims=8, attention="softcap"), policy)
+
+
+def test_saved_tensors_laid_out_otherwise_by_the_decomposed_forward_train_like_eager():
+    """With SDPA and ``"selective"`` the rotated q is saved, and the decomposed forward hands it
+    over transposed where the joint trace (and so the backward graph's input) has it
+    contiguous: the backward must be compiled for the forward's reported strides
+    (``transform.aot_compile``), and then gives eager's gradients."""
+    relaid = _run_decomposed(LayoutConfig(rope_dims=8, attention="sdpa"), "selective")
+    assert relaid, "no saved tensor was laid out otherwise: the test no longer covers the case"
