@@ -53,7 +53,9 @@ from sptransform.runtime.checks import (
 from sptransform.runtime.checkpoint import install_checkpoint_views
 from sptransform.runtime.module import mirror_modules
 from sptransform.runtime.zero import data_parallel_placement
-from sptransform.runtime.params import call_defaults, device_of, placement_of, set_by_path, shard_parameter
+from sptransform.runtime.params import (
+    call_defaults, device_of, placement_of, set_by_path, shard_parameter, unloaded_error, unloaded_parameters,
+)
 from sptransform.runtime.rng import RngState
 from sptransform.pipeline.schedule import fully_stored, schedule_spec
 from sptransform.pipeline.stage import StageModule, _FreeingStage, _Stage
@@ -121,6 +123,7 @@ class PipelinedModule(nn.Module):
         self._data_parallel = graph.data_parallel
         self._rank = torch.tensor(tp_rank, device=self._device)
         local = self.pipeline_plan.stages_of(self._pp_rank)
+        self._unloaded: set[str] = set()  # built on meta, not yet loaded (runtime.params)
         self._state = self._register_state(model, {n for s in local for n in s.state_names}, graph.captured)
         self._fixed = {i: x for i, x in enumerate(pytree.tree_leaves((tuple(mb_args), dict(mb_kwargs))))
                        if not isinstance(x, torch.Tensor)}
@@ -149,6 +152,8 @@ class PipelinedModule(nn.Module):
                 state[name] = captured.constants[name]
             elif name in params:
                 param = self._shard_parameter(name, params[name])
+                if params[name].device.type == "meta":
+                    self._unloaded.add(name)
                 for alias in aliases[id(params[name])]:
                     set_by_path(self, alias, param, kind="parameter")
                     state[alias] = param
@@ -275,6 +280,9 @@ class PipelinedModule(nn.Module):
                     "module's stages are built for the dtypes it was made with; convert the original model first "
                     "(model.to(dtype)) and parallelize it, or use pp=1, whose module follows .to(dtype)"
                 )
+            missing = unloaded_parameters(self, self._unloaded) if self._unloaded else []
+            if missing:
+                raise unloaded_error(missing)
             if input_signature(args, kwargs) != self._signature:
                 raise ValueError(
                     "step() got inputs of other shapes, types or structure than the example_inputs this pipeline "

@@ -188,12 +188,37 @@ class _ViewEntries:
                 state_dict[key] = checkpoint_view(value)
 
 
+class _ShardWholeEntries:
+    """Load-state-dict pre-hook of one submodule: an entry that is a whole plain tensor (the
+    original model's ``state_dict()``, or ``torch.load`` of one) for a DTensor parameter becomes
+    this rank's shard of it, so ``pm.load_state_dict(model.state_dict())`` works as on the
+    original (``copy_`` of a plain tensor into a DTensor is an error in torch). Each rank cuts its
+    own shard from the tensor it was given, without communication: every rank must pass the same
+    values, as it does when all ranks read one file."""
+
+    def __init__(self, names: Iterable[str]):
+        self.names = tuple(names)
+
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+        from torch.distributed.tensor import distribute_tensor
+
+        for name in self.names:
+            key, param = prefix + name, module._parameters.get(name)
+            value = state_dict.get(key)
+            if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
+                    and value.shape == param.shape:
+                state_dict[key] = distribute_tensor(value.detach().to(param.device), param.device_mesh,
+                                                    param.placements, src_data_rank=None)
+
+
 def install_checkpoint_views(root: nn.Module) -> None:
-    """Make ``root.state_dict()`` (and every submodule's) return DCP-describable entries."""
+    """Make ``root.state_dict()`` (and every submodule's) return DCP-describable entries, and
+    ``root.load_state_dict`` accept whole tensors (``_ShardWholeEntries``)."""
     for module in root.modules():
         names = [name for name, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)]
         if names:
             module.register_state_dict_post_hook(_ViewEntries(names))
+            module.register_load_state_dict_pre_hook(_ShardWholeEntries(names))
 
 
 # -- Hugging Face weights --------------------------------------------------------------------

@@ -45,7 +45,8 @@ from sptransform.graph.sharding import DimShard
 from sptransform.options import ParallelOptions
 from sptransform.runtime.zero import data_parallel_placement, regather_saved
 from sptransform.runtime.params import (
-    call_defaults, contiguous_stride, device_of, get_by_path, held_share, placement_of, set_by_path, shard_parameter,
+    call_defaults, contiguous_stride, device_of, get_by_path, held_share, placement_of, placeholder, set_by_path,
+    shard_parameter, unloaded_error, unloaded_parameters,
 )
 from sptransform.runtime.checks import (
     VocabCheck, check_call, check_vocab, fingerprint, gather_fingerprints, leaf_names, raise_if_disagree, vocab_checks,
@@ -156,6 +157,7 @@ class ParallelModule(nn.Module):
         self._data_parallel = first.data_parallel
         self._graphs[self._cache_key(example_args, example_kwargs)] = self._cached(first)
         self._last = first
+        self._unloaded: set[str] = set()  # built on meta, not yet loaded (runtime.params)
         self._register_state(model)
         self._rank = self._rank_tensor()
         self._rng = RngState(factory.generators, mesh, self._device)
@@ -173,6 +175,8 @@ class ParallelModule(nn.Module):
                 # A tied parameter is planned under whichever of its names the graph used.
                 planned = next((n for n in aliases[id(param)] if n in self._placements), name)
                 converted[id(param)] = self._shard_parameter(planned, param)
+                if param.device.type == "meta":
+                    self._unloaded.add(name)
             set_by_path(self, name, converted[id(param)], kind="parameter")
         for module_name, module in model.named_modules(remove_duplicate=False):
             for buffer_name, buf in module._buffers.items():
@@ -189,6 +193,8 @@ class ParallelModule(nn.Module):
 
     def _shard_parameter(self, name: str, param: nn.Parameter) -> nn.Parameter:
         if self._mesh is None:
+            if param.device.type == "meta":  # tp=1: the whole parameter, placeholders until loaded
+                return nn.Parameter(placeholder(param.shape, param.dtype, self._device), param.requires_grad)
             return param
         placement = placement_of(self._placements.get(name, ParamPlacement(None, "replicated")).storage)
         if self._param_mesh is not None:
@@ -330,6 +336,9 @@ class ParallelModule(nn.Module):
         names = lambda: leaf_names(args, kwargs)  # noqa: E731  (only for messages)
         try:
             check_call(args, kwargs, self._call_defaults)
+            missing = unloaded_parameters(self, self._unloaded) if self._unloaded else []
+            if missing:
+                raise unloaded_error(missing)
             cached, values = self._graph_for(args, kwargs)
             if cached.vocab_checks:
                 check_vocab(cached.vocab_checks, pytree.tree_leaves((tuple(args), dict(kwargs))), names)

@@ -88,7 +88,8 @@ def shard_parameter(param: nn.Parameter, placement, mesh: DeviceMesh, device: to
     """``param`` as a DTensor on ``mesh`` holding only this rank's shard: ``placement`` on a 1-D
     mesh, or a list of one placement per axis.
 
-    A meta parameter gets an uninitialized local shard (values come from a checkpoint);
+    A meta parameter gets a local shard of placeholders (``placeholder``: NaN; values come from a
+    checkpoint, and ``unloaded_parameters`` refuses to run while they are still there);
     otherwise rank 0's values are the source of truth. Under LocalTensorMode each simulated
     rank gets its own storage."""
     if isinstance(placement, (list, tuple)):
@@ -96,7 +97,7 @@ def shard_parameter(param: nn.Parameter, placement, mesh: DeviceMesh, device: to
     tp = mesh.size()
     if param.device.type == "meta":
         def make(rank: int) -> torch.Tensor:
-            return torch.empty(local_shape(param.shape, placement, tp, rank), dtype=param.dtype, device=device)
+            return placeholder(local_shape(param.shape, placement, tp, rank), param.dtype, device)
 
         mode = local_tensor_mode()
         local = mode.rank_map(make) if mode is not None else make(mesh.get_local_rank())
@@ -104,6 +105,46 @@ def shard_parameter(param: nn.Parameter, placement, mesh: DeviceMesh, device: to
     else:
         dtensor = _distribute(param.detach(), placement, mesh)
     return _with_gradient_hook(nn.Parameter(dtensor, requires_grad=param.requires_grad))
+
+
+def placeholder(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Storage for a parameter built on the meta device, before its values are loaded: NaN (0 for
+    integer dtypes), never ``torch.empty``. Uninitialised memory differs from rank to rank, so the
+    replicated copies of a weight nobody loaded would silently disagree; NaN is the same on every
+    rank, and ``unloaded_parameters`` can tell that nothing was written."""
+    fill = float("nan") if dtype.is_floating_point or dtype.is_complex else 0
+    return torch.full(tuple(shape), fill, dtype=dtype, device=device)
+
+
+def unloaded_parameters(module: nn.Module, pending: set[str]) -> list[str]:
+    """The names in ``pending`` (parameters built on the meta device) whose local values in
+    ``module`` are still all placeholders: nothing loaded them (``load_hf_weights``,
+    ``load_state_dict``, ``dcp.load``, an in-place init). Names found loaded leave ``pending``, so
+    a module pays for this scan until its weights are in, then never again. Looked up by name, so
+    a parameter replaced since (``load_state_dict(assign=True)``) is judged by its new value. A
+    shard with no elements (a split that leaves this rank nothing) counts as loaded."""
+    missing = []
+    for name in sorted(pending):
+        data = get_by_path(module, name).detach()
+        local = data.to_local() if isinstance(data, DTensor) else data
+        per_rank = local_values(local)
+        values = per_rank.values() if per_rank is not None else [local]
+        floating = local.dtype.is_floating_point or local.dtype.is_complex
+        if floating and any(v.numel() and bool(torch.isnan(v).all()) for v in values):
+            missing.append(name)
+        else:
+            pending.discard(name)
+    return missing
+
+
+def unloaded_error(missing: list[str]) -> ValueError:
+    shown = ", ".join(repr(n) for n in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+    return ValueError(
+        f"{len(missing)} parameter(s) were built on the meta device and never given values: {shown}. "
+        "Their shards hold NaN placeholders, so training would run on nothing. Load the weights into "
+        "the parallel module before the first call (sptransform.load_hf_weights(pm, folder), "
+        "pm.load_state_dict(...), or torch.distributed.checkpoint.load({'model': pm.state_dict()}, ...)), "
+        "or initialise them in place (e.g. p.to_local().normal_() under torch.no_grad())")
 
 
 def _with_gradient_hook(param: nn.Parameter) -> nn.Parameter:
@@ -124,7 +165,7 @@ def _shard_on_mesh(param: nn.Parameter, placements: list, mesh: DeviceMesh, devi
                 chunk = -(-size // parts)
                 coordinate = mesh.get_local_rank(axis)
                 shape[placement.dim] = max(0, min(chunk, size - coordinate * chunk))
-        local = torch.empty(shape, dtype=param.dtype, device=device)
+        local = placeholder(shape, param.dtype, device)
         dtensor = DTensor.from_local(local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride())
     else:
         dtensor = distribute_tensor(param.detach().clone(), mesh, placements, src_data_rank=0)

@@ -140,6 +140,7 @@ def _cross_rank_checks(rank: int, world: int, port: int) -> None:
         _raises(lambda: sptransform.parallelize(_llama(), tp=2, sp=rank == 0, example_inputs=batch), ValueError,
                 "the ranks called parallelize with different options")
         _pipeline_modes(rank, world)
+        _unloaded_meta_parameters(rank, world)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -178,6 +179,27 @@ def _pipeline_modes(rank: int, world: int) -> None:
     pm.zero_grad()
     pm.to(torch.float64)
     _raises(lambda: pm.step(**batch), ValueError, "convert the original model first (model.to(dtype))")
+
+
+def _unloaded_meta_parameters(rank: int, world: int) -> None:
+    """A model built on the meta device and never loaded: every rank refuses its first call,
+    naming the parameters (their shards are NaN placeholders, not each rank's own garbage), at
+    tp=2 and at pp=2; loaded from the original's state dict, it trains like the original."""
+    import sptransform
+
+    batch = _batches(1)[0]
+    with sptransform.meta_parameters():
+        meta = _llama(dropout=0.0)
+    pm = sptransform.parallelize(meta, tp=2, example_inputs=batch)
+    _raises(lambda: pm(**batch), ValueError, "were built on the meta device and never given values",
+            "'lm_head.weight'", "load_hf_weights")
+    ref = _llama(dropout=0.0)
+    pm.load_state_dict(ref.state_dict())
+    torch.testing.assert_close(pm(**batch).loss, ref(**batch).loss, rtol=1e-5, atol=1e-6)
+    with sptransform.meta_parameters():
+        meta = _llama(layers=2, dropout=0.0)
+    piped = sptransform.parallelize(meta, tp=1, pp=2, n_microbatches=2, example_inputs=batch)
+    _raises(lambda: piped.step(**batch), ValueError, "never given values")
 
 
 def test_ranks_are_checked_against_each_other_and_a_pipeline_follows_train_and_eval():

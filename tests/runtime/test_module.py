@@ -3,6 +3,7 @@ captured again without moving parameters; meta models materialize only shards.""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -87,6 +88,44 @@ def test_meta_model_materializes_only_local_shards():
                 p.to_local().normal_(std=0.02) if p.dim() > 1 else p.to_local().fill_(1.0)
         loss = pm(*_data())
         assert all(torch.isfinite(v) for v in per_rank(loss))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_meta_model_refuses_to_run_until_loaded_then_equals_the_original(tp):
+    """Parameters built on meta hold NaN placeholders (the same on every rank, never
+    ``torch.empty``'s garbage): the first call names every one not loaded; a partial load names
+    only the rest; ``load_state_dict`` of the original's whole tensors (fused K/V included, a
+    ``_StridedShard``) gives its loss and gradients."""
+    torch.manual_seed(0)
+    real = TinyLM(CONFIG)
+    with torch.device("meta"):
+        model = TinyLM(CONFIG)
+    ids, targets = _data()
+    with simulated_ranks(tp) if tp > 1 else contextlib.nullcontext():
+        pm = sptransform.parallelize(model, tp=tp, example_inputs=_data())
+        with pytest.raises(ValueError, match=r"(?s)32 parameter\(s\) were built on the meta device and never given "
+                           r"values: 'blocks.0.attn.kv.bias'.* and 24 more.*load_hf_weights"):
+            pm(ids, targets)
+        partial = {k: v for k, v in real.state_dict().items() if k != "norm.weight"}
+        pm.load_state_dict(partial, strict=False)
+        with pytest.raises(ValueError, match=r"1 parameter\(s\) .* never given values: 'norm.weight'\. "):
+            pm(ids, targets)
+        pm.load_state_dict(real.state_dict())
+        loss = pm(ids, targets)
+        loss.backward()
+        expected = real(ids, targets)
+        expected.backward()
+        if tp > 1:
+            assert_all_ranks_close(loss, expected.detach(), what="loss")
+        else:
+            torch.testing.assert_close(loss, expected)
+        for name, p in pm.named_parameters():
+            grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            ref = real.get_parameter(name).grad
+            if tp > 1:
+                assert_all_ranks_close(grad, ref, what=name)
+            else:
+                torch.testing.assert_close(grad, ref, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_tp_one_without_a_process_group_runs_the_captured_graph():
