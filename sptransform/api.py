@@ -111,6 +111,7 @@ def parallelize(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallelize expects an nn.Module, got {type(model).__name__}")
+    _refuse_parallel_input(model)
     options = ParallelOptions(tp=tp, sp=sp, dropout_rng=dropout_rng, seed=seed, recompute=recompute,
                               check_inputs=check_inputs, graph_cache_size=graph_cache_size, dp=dp, zero=zero,
                               compile=compile, overlap=overlap)
@@ -165,6 +166,22 @@ def _data_parallel(model, options: ParallelOptions, pipeline: PipelineOptions | 
                              schedule=pipeline.schedule, param_mesh=param_mesh)
     return ParallelModule(model, factory=factory, options=options, mesh=full["tp"], example_args=args,
                           example_kwargs=kwargs, param_mesh=param_mesh)
+
+
+def _refuse_parallel_input(model: nn.Module) -> None:
+    """A module that is already parallel (``parallelize``'s result, or one holding DTensor
+    parameters from another tool) cannot be captured again: its parameters are shards."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(model, (ParallelModule, PipelinedModule)):
+        raise TypeError(
+            f"parallelize got a {type(model).__name__}, which sptransform.parallelize already returned: "
+            "parallelize the original model once, with every option at once (tp=, sp=, pp=, dp=, recompute=...)")
+    sharded = [name for name, p in model.named_parameters() if isinstance(p, DTensor)]
+    if sharded:
+        raise TypeError(
+            f"{len(sharded)} parameter(s) of the model are already DTensors (e.g. {sharded[0]!r}): parallelize "
+            "takes an unmodified single-device model; pass the model before any other parallelization")
 
 
 def _check_mesh(mesh) -> None:

@@ -26,6 +26,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from sptransform.copying import faithful_deepcopy
 from sptransform.torch_internals import (
     FakeTensor, FakeTensorMode, StorageWeakRef, disable_current_modes, free_unbacked_symbols, maybe_disable_local_tensor_mode, pytree,
+    quiet_fake_tensor_meta_failures, tracing_limit_errors,
 )
 
 
@@ -204,14 +205,14 @@ def _capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph
 
     fake_args, fake_kwargs = template.fake_inputs(args, kwargs)
     try:
-        ep = torch.export.export(template.module, fake_args, fake_kwargs, strict=False)
+        # A meta kernel that refuses our inputs is logged with a traceback before the exception
+        # we turn into a message: noise above the message (quiet_fake_tensor_meta_failures).
+        with quiet_fake_tensor_meta_failures():
+            ep = torch.export.export(template.module, fake_args, fake_kwargs, strict=False)
     except Exception as err:  # torch raises many types here; re-raise one the user can act on
-        raise ValueError(
-            "sptransform could not capture the model as one graph "
-            f"({type(err).__name__}: {(str(err).strip().splitlines() or [repr(err)])[0][:300]}). "
-            "The forward must be traceable without data-dependent control flow or graph "
-            "breaks; see the README's 'Limits'."
-        ) from err
+        with quiet_fake_tensor_meta_failures():
+            error = _capture_error(template, fake_args, fake_kwargs, err)
+        raise error from err
     # Every check that can refuse runs on the exported graph, before functionalization: a model
     # that writes a parameter in place (Gemma 3n clamps one) can crash inside
     # ``run_decompositions``, and a refusal must never depend on what runs after it.
@@ -299,6 +300,33 @@ def _capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph
         out_spec=ep.call_spec.out_spec,
         constants=constants,
     )
+
+
+class InputsRejected(ValueError):
+    """The model's own forward raises on these inputs (it would on one device too): the inputs,
+    not the tracing, are at fault. ``ParallelModule`` adds how they differ from the example."""
+
+
+def _first_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [repr(err)])[0][:300]}"
+
+
+def _capture_error(template: FakeTemplate, fake_args: tuple, fake_kwargs: dict, err: Exception) -> ValueError:
+    """Why ``torch.export`` failed, in the user's terms. A failure that is not one of export's
+    own (``tracing_limit_errors``) is told apart by running the same forward plainly on the same
+    fake inputs: if that raises too, the model rejects these inputs (a float where token ids go,
+    a misspelt keyword, a wrong rank) and saying "not traceable" would send the user the wrong way."""
+    if not isinstance(err, tracing_limit_errors()):
+        try:
+            with maybe_disable_local_tensor_mode(), template.fake_mode, torch.no_grad():
+                template.module(*fake_args, **fake_kwargs)
+        except Exception as plain:  # the model's own error, whatever its type
+            return InputsRejected(
+                f"the model raises on these inputs, as it would on one device ({_first_line(plain)}): check what "
+                "is passed (names, dtypes, shapes) against the model's forward")
+    return ValueError(
+        f"sptransform could not capture the model as one graph ({_first_line(err)}). The forward must be "
+        "traceable without data-dependent control flow or graph breaks; see the README's 'Limits'.")
 
 
 def _template_state_of(template: FakeTemplate, value: FakeTensor) -> str | None:

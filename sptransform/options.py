@@ -155,7 +155,11 @@ class ParallelOptions:
     def __post_init__(self) -> None:
         _check_int("tp", self.tp, minimum=1)
         _check_int("dp", self.dp, minimum=1)
-        if isinstance(self.zero, bool) or self.zero not in get_args(ZeroStage):
+        if isinstance(self.zero, bool) or not isinstance(self.zero, int):
+            raise TypeError(f"zero={self.zero!r} ({type(self.zero).__name__}): the ZeRO stage is an int, 0 or 3")
+        if self.zero not in (1, 2) and self.zero not in get_args(ZeroStage):
+            raise ValueError(f"zero={self.zero}: ZeRO stages are 0 to 3, and sptransform runs 0 and 3")
+        if self.zero not in get_args(ZeroStage):
             raise ValueError(
                 f"zero={self.zero!r}: sptransform runs ZeRO stages 0 and 3. Stages 1 and 2 keep the parameters "
                 "whole but split the optimizer state (and gradients), which torch's optimizers cannot do for a "

@@ -336,6 +336,21 @@ def quiet_fake_tensor_meta_failures():
         logger.removeFilter(drop)
 
 
+def tracing_limit_errors() -> tuple[type[BaseException], ...]:
+    """Exception types by which ``torch.export`` says it cannot trace a forward (data-dependent
+    shapes or control flow, unsupported Python) as opposed to the model's own error on its inputs:
+    ``capture`` words its message by this. Reads ``torch._dynamo.exc`` and
+    ``torch._subclasses.fake_tensor``. Public replacement: none (export raises these types)."""
+    from torch._dynamo.exc import TorchDynamoException
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException,
+    )
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    return (TorchDynamoException, DataDependentOutputException, DynamicOutputShapeException,
+            UnsupportedOperatorException, GuardOnDataDependentSymNode)
+
+
 __all__ = [
     "DTensorSpec", "DecompShardingStrategy", "GuardOnDataDependentSymNode", "OpOverload", "OpSchema",
     "RuntimeSchemaInfo", "TensorMeta", "TupleStrategy", "abstract_device_mesh", "disable_current_modes",
@@ -350,5 +365,6 @@ __all__ = [
     "make_boxed_func",
     "maybe_disable_local_tensor_mode", "min_cut_rematerialization_partition", "partitioners", "pytree",
     "queue_backward_callback", "quiet_fake_tensor_meta_failures", "resolve_process_group", "run_and_save_rng_state",
-    "run_with_rng_state", "stage_forward_cache", "stride_reporting", "tensor_map",
+    "run_with_rng_state", "stage_forward_cache", "stride_reporting", "tensor_map", "tracing_limit_errors",
 ]
+

@@ -211,3 +211,29 @@ def test_pp1_options_are_used_not_ignored():
     torch.testing.assert_close(loss, expected.detach())
     for (name, p), q in zip(pm.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("zero, error, pattern", [
+    ("3", TypeError, r"zero='3' \(str\): the ZeRO stage is an int, 0 or 3"),
+    (True, TypeError, r"zero=True \(bool\)"),
+    (-1, ValueError, r"zero=-1: ZeRO stages are 0 to 3, and sptransform runs 0 and 3"),
+    (4, ValueError, r"zero=4: ZeRO stages are 0 to 3"),
+    (1, ValueError, r"zero=1: sptransform runs ZeRO stages 0 and 3.*use zero=3"),
+])
+def test_zero_stage_errors_fit_the_value(zero, error, pattern):
+    config = TinyConfig()
+    with simulated_ranks(2), pytest.raises(error, match=pattern):
+        _parallelize(config, 2, zero=zero)
+
+
+def test_an_already_parallel_module_is_refused_by_type():
+    config = TinyConfig()
+    with simulated_ranks(2):
+        pm = _parallelize(config, 2)
+        with pytest.raises(TypeError, match=r"parallelize got a ParallelModule, which sptransform.parallelize already "
+                           r"returned: parallelize the original model once"):
+            sptransform.parallelize(pm, tp=2, example_inputs=_inputs(config))
+        holder = nn.Module()
+        holder.w = nn.Parameter(pm.get_parameter("blocks.0.attn.q.weight").detach())  # a DTensor from elsewhere
+        with pytest.raises(TypeError, match=r"1 parameter\(s\) of the model are already DTensors \(e.g. 'w'\)"):
+            sptransform.parallelize(holder, tp=2)

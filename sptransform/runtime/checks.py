@@ -62,6 +62,35 @@ def leaf_names(args: tuple, kwargs: dict) -> list[str]:
     return names
 
 
+def describe_inputs(args: tuple, kwargs: dict) -> dict[str, tuple]:
+    """Each input tensor's ``(shape, dtype)`` by its readable name (``leaf_names``)."""
+    leaves = pytree.tree_leaves((tuple(args), dict(kwargs)))
+    return {name: (tuple(leaf.shape), leaf.dtype) for name, leaf in zip(leaf_names(args, kwargs), leaves)
+            if isinstance(leaf, torch.Tensor)}
+
+
+def differences(example: dict[str, tuple], args: tuple, kwargs: dict) -> list[str]:
+    """How a call's inputs differ from the example inputs: names, dtypes, ranks and shapes, one
+    phrase per input. Told when a new call's capture fails, so the message names the input."""
+    call = describe_inputs(args, kwargs)
+    out = [f"{name} is not among the example inputs ({', '.join(example) or 'none'})"
+           for name in call if name not in example]
+    out += [f"{name} is missing" for name in example if name not in call]
+    for name, (shape, dtype) in call.items():
+        if name not in example:
+            continue
+        ex_shape, ex_dtype = example[name]
+        if dtype != ex_dtype:
+            out.append(f"{name} is {str(dtype).removeprefix('torch.')} where the example had "
+                       f"{str(ex_dtype).removeprefix('torch.')}")
+        if len(shape) != len(ex_shape):
+            out.append(f"{name} has {len(shape)} dims {list(shape)} where the example had {len(ex_shape)} "
+                       f"{list(ex_shape)}")
+        elif shape != ex_shape:
+            out.append(f"{name} has shape {list(shape)} (example: {list(ex_shape)})")
+    return out
+
+
 def check_call(args: tuple, kwargs: dict, call_defaults: dict, *, example: bool = False) -> None:
     """Structural checks of one call's inputs (local, cheap). ``example``: the inputs are
     ``example_inputs``, of which only shapes are read (meta tensors are fine there)."""

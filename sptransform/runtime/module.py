@@ -38,7 +38,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from sptransform.capture import CapturedGraph, input_signature
+from sptransform.capture import CapturedGraph, InputsRejected, input_signature
 from sptransform.graph.analysis import analyze, find_loss_output
 from sptransform.graph.plan import ParallelGraph, ParallelPlan, ParamPlacement
 from sptransform.graph.sharding import DimShard
@@ -49,7 +49,7 @@ from sptransform.runtime.params import (
     shard_parameter, unloaded_error, unloaded_parameters,
 )
 from sptransform.runtime.checks import (
-    VocabCheck, check_call, check_vocab, fingerprint, gather_fingerprints, leaf_names, raise_if_disagree, vocab_checks,
+    VocabCheck, check_call, check_vocab, describe_inputs, differences, fingerprint, gather_fingerprints, leaf_names, raise_if_disagree, vocab_checks,
 )
 from sptransform.runtime.checkpoint import install_checkpoint_views
 from sptransform.runtime.explain import explain
@@ -152,6 +152,7 @@ class ParallelModule(nn.Module):
         self._placements: dict[str, ParamPlacement] = {}
         example_kwargs = {**self._call_defaults, **example_kwargs}
         check_call(example_args, example_kwargs, self._call_defaults, example=True)
+        self._example_inputs = describe_inputs(example_args, example_kwargs)
         first = self._factory.build(example_args, example_kwargs, modes=self._modes(), dtypes=self._dtype_map(self._dtypes))
         self._placements = first.plan.placements if first.plan else {}
         self._data_parallel = first.data_parallel
@@ -253,7 +254,13 @@ class ParallelModule(nn.Module):
             if not torch.compiler.is_compiling():  # LRU bookkeeping stays out of traced code
                 self._graphs.move_to_end(key)
             return cached, values
-        graph = self._factory.build(args, kwargs, modes=self._modes(), dtypes=self._dtype_map(self._dtypes))
+        try:
+            graph = self._factory.build(args, kwargs, modes=self._modes(), dtypes=self._dtype_map(self._dtypes))
+        except InputsRejected as err:  # name what differs from the inputs it was built with
+            changed = differences(self._example_inputs, args, kwargs)
+            if not changed:
+                raise
+            raise InputsRejected(f"{err}; compared with the example inputs: {'; '.join(changed)}") from err
         self._check_placements(graph)
         self._check_split_inputs(graph, args, kwargs)
         cached = self._graphs[key] = self._cached(graph)
