@@ -47,7 +47,7 @@ def parallelize(
     zero: int = 0,
     compile: Literal["inductor", "eager"] = "inductor",
     overlap: bool | None = None,
-) -> "nn.Module":
+) -> "ParallelModule | PipelinedModule":
     """Turn an unmodified single-device ``model`` into one that trains across ``tp`` ranks
     with Megatron tensor parallelism (and sequence parallelism when ``sp``).
 
