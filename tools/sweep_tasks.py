@@ -295,7 +295,7 @@ def one_device(model, inputs) -> dict:
     if bad:
         return {"status": "fail", "reason": f"non-finite gradient of {bad[0]} (+{len(bad) - 1})"}
     opt.step()
-    return {"status": "ok", "loss": float(loss), "params": len(params),
+    return {"status": "ok", "loss": float(loss.detach()), "params": len(params),
             "numel": sum(p.numel() for p in params.values()),
             "no_grad": [n for n, p in params.items() if p.requires_grad and p.grad is None]}
 
