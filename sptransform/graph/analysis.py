@@ -1,7 +1,10 @@
 """What each part of a captured graph *is*, read from dataflow and shapes alone.
 
 * a **linear** is a matmul-like op (``linear``, ``addmm``, ``mm``, ``matmul``) one of
-  whose operands is a parameter, possibly through ``t``/``transpose``/``permute``;
+  whose operands is a parameter, possibly through ``t``/``transpose``/``permute``, or
+  consecutive rows of one along its output features (a fused projection taken apart with
+  ``split``/``chunk``/``slice``, as ``nn.MultiheadAttention`` does for cross-attention); such a
+  parameter is split as its pieces are, side by side, when every piece is column-parallel;
 * an **embedding** is ``aten.embedding`` of a parameter;
 * a **tensor-parallel region** pairs a row-parallel linear with the column-parallel
   linears feeding it: walking back from the row linear's input, asking at each op
@@ -151,7 +154,8 @@ def _view_step(node: fx.Node) -> list[int]:
 
 def _piece_of(node: fx.Node) -> tuple[fx.Node, int, int, int] | None:
     """If ``node`` takes consecutive indices of another tensor along one dim (a chunk of a
-    ``split``/``chunk``, a step-1 ``slice``): (that tensor, dim, start, length)."""
+    ``split``/``chunk``, a step-1 ``slice``; ``narrow`` is one after ``canonicalize.narrow_as_slice``):
+    (that tensor, dim, start, length)."""
     if is_getitem(node) and is_split(node.args[0]) and packet(node.args[0]) is not aten.unbind:
         split = node.args[0]
         start, length = split_chunks(split)[node.args[1]]
