@@ -145,3 +145,41 @@ def test_models_reading_pieces_of_a_weight_equal_one_device(model, split):
     # TwoMLPs: the fused weight is split (stored whole on every rank, cut in the graph); HalfColumn: replicated.
     assert report.linears == ((4, 4) if split else (1, 3)), str(report)
     assert rows["w"] == "Replicate()", rows
+
+
+class TakenApart(nn.Module):
+    """Attention whose q, k, v weights and biases are rows of one fused parameter, taken ``how``."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.w, self.b = nn.Parameter(torch.randn(48, 16) / 4), nn.Parameter(torch.randn(48) / 4)
+        self.out = nn.Linear(16, 16)
+
+    def _pieces(self, t):
+        if self.how == "unsafe_split":
+            return torch.unsafe_split(t, 16)
+        if self.how == "tensor_split":
+            return t.tensor_split(3)
+        if self.how == "narrow":
+            return [t.narrow(0, 16 * i, 16) for i in range(3)]
+        return [t[16 * i:16 * (i + 1)] for i in range(3)]
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (F.linear(x, w, bias).view(b, s, 4, 4).transpose(1, 2)
+                   for w, bias in zip(self._pieces(self.w), self._pieces(self.b)))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, 16)
+        return (x + self.out(a)).sum()
+
+
+@pytest.mark.parametrize("how", ["unsafe_split", "tensor_split", "narrow", "slice"])
+def test_qkv_taken_apart_from_one_parameter_is_split_per_head_and_equal(how):
+    torch.manual_seed(0)
+    report = sptransform.verify(TakenApart(how).double(), tp=2, sp=True,
+                                example_inputs=(torch.randn(2, 4, 16).double(),), processes=False)
+    assert report.ok, str(report)
+    assert report.linears == (4, 4), str(report)
+    rows = {r.name: r.placement for r in report.rows if r.kind == "grad"}
+    assert rows["w"] == rows["b"] == "_StridedShard(0, split_factor=3)", rows
+    assert not [n for n in report.notes if "runs whole" in n], report.notes  # the pieces are taken on each rank's rows
