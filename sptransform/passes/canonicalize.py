@@ -124,9 +124,7 @@ def functional_copies(gm: fx.GraphModule) -> int:
                 new = gm.graph.call_function(aten._to_copy.default, (value,), {"dtype": want.dtype})
             else:
                 new = gm.graph.call_function(aten.clone.default, (value,))
-        new.meta = dict(node.meta)
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
+        _take_over(gm, node, new)
         changed += 1
     if changed:
         gm.recompile()
@@ -146,10 +144,15 @@ def narrow_as_slice(gm: fx.GraphModule) -> int:
         start = start + size if start < 0 else start  # narrow counts a negative start from the end; slice's end would not
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(aten.slice.Tensor, (x, dim, start, start + length))
-        new.meta = dict(node.meta)
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
+        _take_over(gm, node, new)
         changed += 1
     if changed:
         gm.recompile()
     return changed
+
+
+def _take_over(gm: fx.GraphModule, node: fx.Node, new: fx.Node) -> None:
+    """``new`` replaces ``node``: its meta (value, source line), its readers; ``node`` goes."""
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
