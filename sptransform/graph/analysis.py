@@ -81,6 +81,14 @@ class LinearMatch:
     bias_piece: tuple[int, int] | None = None
     """The same for the bias (``b_q, b_k, b_v = b.chunk(3)``)."""
 
+    @property
+    def weight_label(self) -> str:
+        """The weight's name, with the rows read when a piece (``attn.in_proj_weight[32:96]``)."""
+        if self.weight_piece is None:
+            return self.weight_name
+        start, length = self.weight_piece
+        return f"{self.weight_name}[{start}:{start + length}]"
+
 
 @dataclass(frozen=True)
 class EmbeddingMatch:
