@@ -43,7 +43,7 @@ from sptransform.graph.gradients import gradient_plan
 from sptransform.graph.plan import ParallelGraph, ParallelPlan
 from sptransform.graph.propagate import SequenceSplit, propagate
 from sptransform.options import GRAPH_COMPILERS, GraphCompiler, ParallelOptions, PipelineOptions, RematOptions
-from sptransform.passes.canonicalize import functional_copies, remove_dead_code, repeat_grouped_kv, split_bias
+from sptransform.passes.canonicalize import functional_copies, narrow_as_slice, remove_dead_code, repeat_grouped_kv, split_bias
 from sptransform.passes.data_parallel import DataParallelPlan, data_parallel, zero_dim
 from sptransform.passes.dropout import shard_dropout
 from sptransform.passes.overlap import schedule_collectives
@@ -98,6 +98,7 @@ def build_parallel_graph(
     gm, tp = captured.gm, options.tp
     _logged("remove_dead_code", gm, lambda: remove_dead_code(gm))
     _logged("functional_copies", gm, lambda: functional_copies(gm))
+    _logged("narrow_as_slice", gm, lambda: narrow_as_slice(gm))
     _logged("repeat_grouped_kv", gm, lambda: repeat_grouped_kv(gm, tp=tp))
     analysis = analyze(captured, tp)
     if options.sp and analysis.seq_len is None:

@@ -1,7 +1,10 @@
 """What each part of a captured graph *is*, read from dataflow and shapes alone.
 
 * a **linear** is a matmul-like op (``linear``, ``addmm``, ``mm``, ``matmul``) one of
-  whose operands is a parameter, possibly through ``t``/``transpose``/``permute``;
+  whose operands is a parameter, possibly through ``t``/``transpose``/``permute``, or
+  consecutive rows of one along its output features (a fused projection taken apart with
+  ``split``/``chunk``/``slice``, as ``nn.MultiheadAttention`` does for cross-attention); such a
+  parameter is split as its pieces are, side by side, when every piece is column-parallel;
 * an **embedding** is ``aten.embedding`` of a parameter;
 * a **tensor-parallel region** pairs a row-parallel linear with the column-parallel
   linears feeding it: walking back from the row linear's input, asking at each op
@@ -37,6 +40,8 @@ from sptransform.graph.sharding import (
     DimShard,
     slice_bounds,
     slices_input_spec,
+    split_chunks,
+    split_dim,
     ShardingError,
     describe,
     input_specs_for_output,
@@ -65,9 +70,24 @@ class LinearMatch:
     out_dim: int
     """Dim of the parameter that indexes output features."""
     bias: fx.Node | None
+    """The bias's parameter placeholder."""
     bias_name: str | None
     in_features: int
     out_features: int
+    """Of the weight the linear reads: the piece's, when it reads a piece."""
+    weight_piece: tuple[int, int] | None = None
+    """``(start, length)`` along ``out_dim`` of the parameter when the linear reads a piece of it
+    (``w_q, w_kv = w.split([E, 2 * E])``, ``w.chunk(3)[i]``, ``w[a:b]``); None: all of it."""
+    bias_piece: tuple[int, int] | None = None
+    """The same for the bias (``b_q, b_k, b_v = b.chunk(3)``)."""
+
+    @property
+    def weight_label(self) -> str:
+        """The weight's name, with the rows read when a piece (``attn.in_proj_weight[32:96]``)."""
+        if self.weight_piece is None:
+            return self.weight_name
+        start, length = self.weight_piece
+        return f"{self.weight_name}[{start}:{start + length}]"
 
 
 @dataclass(frozen=True)
@@ -108,6 +128,10 @@ class ModelAnalysis:
     """The attention's query length (None without attention)."""
     notes: list[str] = field(default_factory=list)
     """What runs replicated, and why."""
+    fused: dict[str, DimShard] = field(default_factory=dict)
+    """Parameters the linears read in pieces -> their split (each piece's column split, side by side)."""
+    kept_whole: set[str] = field(default_factory=set)
+    """Parameters read in pieces that no split fits: replicated (``notes`` says why)."""
 
     @property
     def num_layers(self) -> int:
@@ -118,29 +142,70 @@ class ModelAnalysis:
 # finders
 
 
+class _NotAPiece(Exception):
+    """Pieces taken along two different dims: not rows of one fused projection."""
+
+
+def _view_step(node: fx.Node) -> list[int]:
+    """Of a weight view: output dim -> input dim."""
+    shape, p = shape_of(node), packet(node)
+    step = list(range(len(shape)))
+    if len(shape) < 2:
+        return step
+    if p in _REVERSED or p is aten.transpose:
+        a, b = (0, 1) if p in _REVERSED else [d % len(shape) for d in node.args[1:3]]
+        step[a], step[b] = step[b], step[a]
+    elif p is aten.permute:
+        step = [d % len(shape) for d in node.args[1]]
+    return step
+
+
+def _piece_of(node: fx.Node) -> tuple[fx.Node, int, int, int] | None:
+    """If ``node`` takes consecutive indices of another tensor along one dim (a chunk of a
+    ``split``/``chunk``, a step-1 ``slice``; ``narrow`` is one after ``canonicalize.narrow_as_slice``):
+    (that tensor, dim, start, length)."""
+    if is_getitem(node) and is_split(node.args[0]) and packet(node.args[0]) is not aten.unbind:
+        split = node.args[0]
+        start, length = split_chunks(split)[node.args[1]]
+        return split.args[0], split_dim(split), start, length
+    if packet(node) is aten.slice:
+        d, start, end, step = slice_bounds(node)
+        if step == 1:
+            return node.args[0], d, start, end - start
+    return None
+
+
 def _param_through_views(node, captured: CapturedGraph):
-    """If ``node`` is a parameter (maybe transposed), return (placeholder, dim permutation)."""
-    perm = None
-    while isinstance(node, fx.Node) and node.op == "call_function" and packet(node) in _WEIGHT_VIEWS:
-        shape = shape_of(node)
-        p = packet(node)
-        if p in (aten.alias, aten.detach):
-            step = list(range(len(shape)))
-        elif p in _REVERSED or p is aten.transpose:
-            step = list(range(len(shape)))
-            a, b = (0, 1) if p in _REVERSED else [d % len(shape) for d in node.args[1:3]]
-            step[a], step[b] = step[b], step[a]
-        else:
-            step = [d % len(shape) for d in node.args[1]]
-        perm = step if perm is None else [step[i] for i in perm]
-        node = node.args[0]
+    """If ``node`` is a parameter, or consecutive rows of one along one dim (pieces of pieces
+    add up), maybe transposed: (placeholder, dim permutation, piece); ``piece`` is
+    ``(dim of the parameter, start, length)`` or None for all of it. (None, None, None) if not."""
+    perm, piece = None, None  # perm: the operand's dim -> the current node's dim
+    try:
+        while isinstance(node, fx.Node) and node.op == "call_function":
+            if packet(node) in _WEIGHT_VIEWS:
+                step = _view_step(node)
+                perm = step if perm is None else [step[i] for i in perm]
+                piece = None if piece is None else (step[piece[0]], *piece[1:])
+                node = node.args[0]
+                continue
+            found = _piece_of(node)
+            if found is None:
+                break
+            node, d, start, length = found
+            if piece is not None and piece[0] != d:
+                raise _NotAPiece
+            piece = (d, start, length) if piece is None else (d, start + piece[1], piece[2])
+    except _NotAPiece:
+        return None, None, None
     if isinstance(node, fx.Node) and node.op == "placeholder" and captured.param_of(node):
-        return node, perm
-    return None, None
+        return node, perm, piece
+    return None, None, None
 
 
 def find_linears(captured: CapturedGraph) -> dict[fx.Node, LinearMatch]:
-    """Every matmul-like op with a parameter operand."""
+    """Every matmul-like op with a parameter operand, or a piece of one along its output features
+    (a fused projection taken apart: torch's ``nn.MultiheadAttention`` cross-attention splits
+    ``in_proj_weight`` into ``[q]`` and ``[k|v]``, and with ``kdim`` chunks ``in_proj_bias`` in 3)."""
     found: dict[fx.Node, LinearMatch] = {}
     for node in captured.gm.graph.nodes:
         if node.op != "call_function":
@@ -149,29 +214,31 @@ def find_linears(captured: CapturedGraph) -> dict[fx.Node, LinearMatch]:
         if p is aten.linear:
             x, w = node.args[0], node.args[1]
             bias = node.args[2] if len(node.args) > 2 else None
-            placeholder, perm = _param_through_views(w, captured)
             out_dim = 0
         elif p is aten.addmm:
             bias, x, w = node.args[:3]
-            placeholder, perm = _param_through_views(w, captured)
             out_dim = 1
         elif p in (aten.mm, aten.matmul):
             x, w = node.args[:2]
             bias = None
-            placeholder, perm = _param_through_views(w, captured)
             out_dim = 1
-            if placeholder is not None and len(shape_of(placeholder)) != 2:
-                placeholder = None
         else:
             continue
-        if placeholder is None:
+        placeholder, perm, piece = _param_through_views(w, captured)
+        if placeholder is None or (p in (aten.mm, aten.matmul) and len(shape_of(placeholder)) != 2):
             continue
         if perm is not None:
             out_dim = perm[out_dim]
-        bias_node = bias if isinstance(bias, fx.Node) and captured.param_of(bias) else None
-        if isinstance(bias, fx.Node) and bias_node is None:
-            continue  # a bias that is not a parameter: not a layer we know how to split
-        wshape = shape_of(placeholder)
+        if piece is not None and piece[0] != out_dim:
+            continue  # a piece along the input features: no column split of it to derive
+        bias_node, bias_piece = None, None
+        if isinstance(bias, fx.Node):
+            bias_node, _, bias_piece = _param_through_views(bias, captured)
+            if bias_node is None or (bias_piece is not None and len(shape_of(bias_node)) != 1):
+                continue  # a bias that is not a parameter (or rows of one): not a layer we know how to split
+        wshape = list(shape_of(placeholder))
+        if piece is not None:
+            wshape[out_dim] = piece[2]
         found[node] = LinearMatch(
             node=node,
             input=x,
@@ -182,6 +249,8 @@ def find_linears(captured: CapturedGraph) -> dict[fx.Node, LinearMatch]:
             bias_name=captured.param_of(bias_node) if bias_node is not None else None,
             in_features=wshape[1 - out_dim],
             out_features=wshape[out_dim],
+            weight_piece=piece[1:] if piece is not None else None,
+            bias_piece=bias_piece[1:] if bias_piece is not None else None,
         )
     return found
 
@@ -382,6 +451,8 @@ def analyze(captured: CapturedGraph, tp: int) -> ModelAnalysis:
     failures: dict[fx.Node, ShardingError] = {}
     indivisible: list[str] = []
     for node, lm in linears.items():
+        if lm.weight_piece is not None:
+            continue  # rows of a fused weight: split along its output features (a column) or not at all
         try:
             structure = trace_region(graph, lm, linears, derived, 1)
         except ShardingError as err:
@@ -401,12 +472,13 @@ def analyze(captured: CapturedGraph, tp: int) -> ModelAnalysis:
             raise ShardingError(f"{describe(r.row.node)}: a column-parallel linear feeds two regions")
         seen_columns |= set(r.columns)
     leftovers = [lm for n, lm in linears.items() if n not in assigned]
-    head = _pick_head(leftovers)
+    head = _pick_head([lm for lm in leftovers if lm.weight_piece is None])
     notes = [
         f"the linear {describe(lm.node)} (parameter {lm.weight_name!r}) runs replicated on every rank: it is "
         f"neither column- nor row-parallel (as a row-parallel linear, {failures.get(lm.node, 'n/a')})"
-        for lm in leftovers if lm is not head
+        for lm in leftovers if lm is not head and lm.weight_piece is None
     ]
+    fused, kept_whole = _fused_parameters(linears, regions, notes)
     for region in regions:
         whole_ones = [n for n, spec in region.cuts if n in linears]
         if whole_ones:
@@ -433,7 +505,73 @@ def analyze(captured: CapturedGraph, tp: int) -> ModelAnalysis:
         norms=find_norms(graph),
         dropouts=dropouts,
         notes=notes,
+        fused=fused,
+        kept_whole=kept_whole,
     )
+
+
+def _fused_parameters(linears: dict[fx.Node, LinearMatch], regions: list[Region],
+                      notes: list[str]) -> tuple[dict[str, DimShard], set[str]]:
+    """The split of each parameter that linears read in pieces: every piece's column split, moved
+    to where the piece starts. Such a parameter stays whole unless its pieces tile it, each read
+    by column-parallel linears that split it alike, and no linear reads it whole; then the
+    linears reading it as their weight leave their regions (they run replicated, their
+    outputs cut where the row-parallel linear reads them) and a note says why. Leaving a region
+    can unsettle another parameter (the bias pieces of those linears): repeated until none does.
+    Returns (the settled splits, the parameters kept whole)."""
+    uses: dict[str, list[tuple[LinearMatch, tuple[int, int] | None, int, fx.Node]]] = defaultdict(list)
+    for lm in linears.values():
+        uses[lm.weight_name].append((lm, lm.weight_piece, lm.out_dim, lm.weight))
+        if lm.bias_name:
+            uses[lm.bias_name].append((lm, lm.bias_piece, 0, lm.bias))
+    pieced = {name: found for name, found in uses.items() if any(piece is not None for _, piece, _, _ in found)}
+    settled: dict[str, DimShard] = {}
+    changed = True
+    while changed:
+        changed, settled = False, {}
+        columns = {c: spec for r in regions for c, spec in r.columns.items()}
+        for name, found in pieced.items():
+            spec, problem = _tile(found, columns)
+            if spec is not None:
+                settled[name] = spec
+                continue
+            for lm, _, _, node in found:
+                for region in regions:
+                    if node is lm.weight and lm.node in region.columns:
+                        del region.columns[lm.node]
+                        region.column_linears.pop(lm.node, None)
+                        changed = True
+            note = f"parameter {name!r}, read in pieces, stays whole on every rank: {problem}"
+            if note not in notes:
+                notes.append(note)
+    return settled, set(pieced) - set(settled)
+
+
+def _tile(found, columns: dict[fx.Node, DimShard]) -> tuple[DimShard | None, str | None]:
+    """(the parameter's split from its pieces' column splits, None) or (None, why there is none)."""
+    dims = {dim for _, _, dim, _ in found}
+    if len(dims) != 1:
+        return None, "its pieces are taken along different dims"
+    (dim,) = dims
+    size = shape_of(found[0][3])[dim]
+    by_piece: dict[tuple[int, int], DimShard] = {}
+    for lm, piece, _, _ in found:
+        if piece is None:
+            return None, f"{describe(lm.node)} reads all of it"
+        if lm.node not in columns:
+            return None, f"rows [{piece[0]}, {piece[0] + piece[1]}) are read by {describe(lm.node)}, which is not column-parallel"
+        spec = columns[lm.node]
+        if by_piece.setdefault(piece, spec).segments != spec.segments:
+            return None, f"rows [{piece[0]}, {piece[0] + piece[1]}) are read by linears that split them differently"
+    segments, at = [], 0
+    for (start, length), spec in sorted(by_piece.items()):
+        if start != at:
+            return None, f"rows [{min(at, start)}, {max(at, start)}) are read by no linear, or by two overlapping pieces"
+        segments.extend((start + a, n) for a, n in spec.segments)
+        at = start + length
+    if at != size:
+        return None, f"rows [{at}, {size}) are read by no linear"
+    return DimShard(dim, tuple(segments)), None
 
 
 def _reads_user_ids(embedding: EmbeddingMatch, captured: CapturedGraph) -> bool:
@@ -550,9 +688,10 @@ def _reaches(source: fx.Node, target: fx.Node) -> bool:
 
 def parameter_placements(analysis: ModelAnalysis, tp: int) -> dict[str, ParamPlacement]:
     """The seeds of the placement propagation: column-parallel weights split along their output
-    features (in the segments the region walk derived), row-parallel weights along their input
-    features, the vocabulary split for the head and the embeddings tied to it or reading token
-    ids. Everything else is replicated."""
+    features (in the segments the region walk derived; a weight read in pieces, in its pieces'
+    segments side by side), row-parallel weights along their input features, the vocabulary
+    split for the head and the embeddings tied to it or reading token ids. Everything else is
+    replicated."""
     placements: dict[str, ParamPlacement] = {}
 
     def place(name: str, placement: ParamPlacement) -> None:
@@ -568,12 +707,15 @@ def parameter_placements(analysis: ModelAnalysis, tp: int) -> dict[str, ParamPla
         for column, spec in region.columns.items():
             lm = region.column_linears[column]
             whole_storage = not _has_dtensor_placement(spec)
-            place(lm.weight_name, ParamPlacement(spec.with_dim(lm.out_dim), "column-parallel weight",
-                                                 stored_whole=whole_storage))
-            if lm.bias_name:
+            if lm.weight_piece is None:
+                place(lm.weight_name, ParamPlacement(spec.with_dim(lm.out_dim), "column-parallel weight",
+                                                     stored_whole=whole_storage))
+            if lm.bias_name and lm.bias_piece is None:
                 place(lm.bias_name, ParamPlacement(spec.with_dim(0), "column-parallel bias", stored_whole=whole_storage))
         row = region.row
         place(row.weight_name, ParamPlacement(whole(1 - row.out_dim, row.in_features), "row-parallel weight"))
+    for name, spec in analysis.fused.items():
+        place(name, ParamPlacement(spec, "column-parallel, in pieces", stored_whole=not _has_dtensor_placement(spec)))
     head = analysis.head
     if head is not None:
         per_rank = -(-head.out_features // tp)
@@ -584,6 +726,8 @@ def parameter_placements(analysis: ModelAnalysis, tp: int) -> dict[str, ParamPla
             place(head.bias_name, ParamPlacement(vocab, "vocab-parallel head bias", padded))
         for emb in analysis.vocab_embeddings:
             place(emb.weight_name, ParamPlacement(vocab, "vocab-parallel embedding", padded))
+    for name in analysis.kept_whole:  # read in pieces that no split fits, and whole by a linear placed above
+        placements.pop(name, None)
     return placements
 
 

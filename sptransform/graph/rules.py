@@ -40,6 +40,7 @@ from sptransform.graph.nodes import packet
 from sptransform.torch_internals import OpOverload
 from sptransform.graph.placement import PARTIAL, REPLICATED, PartialSum, Placement, Replicated
 from sptransform.graph.sharding import (
+    SPLIT_PACKETS,
     DimShard,
     dim_links,
     is_split,
@@ -253,6 +254,8 @@ def _reduction(node: fx.Node, current: dict, ctx: RuleContext) -> Decision | Non
 
 
 def _split(node: fx.Node, current: dict, ctx: RuleContext) -> Decision | None:
+    if not is_split(node):
+        return None
     x = node.args[0]
     spec = current[x]
     count = len(node.meta["val"])
@@ -403,7 +406,7 @@ _OURS = {
     aten.slice: _slice,
     **{p: _view for p in _VIEWS},
     **{p: _reduction for p in (aten.sum, aten.mean, aten.amax, aten.amin, aten.var, aten.std, aten.var_mean)},
-    **{p: _split for p in (aten.split, aten.split_with_sizes, aten.chunk, aten.unbind)},
+    **{p: _split for p in SPLIT_PACKETS},
     **{p: _matmul for p in _MATMULS},
     aten.scaled_dot_product_attention: _sdpa,
     aten.embedding: _embedding,

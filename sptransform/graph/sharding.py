@@ -372,8 +372,15 @@ def is_getitem(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is operator.getitem
 
 
+SPLIT_PACKETS = (aten.split, aten.split_with_sizes, aten.chunk, aten.unbind, aten.unsafe_split,
+           aten.unsafe_split_with_sizes, aten.tensor_split)
+
+
 def is_split(node: fx.Node) -> bool:
-    return packet(node) in (aten.split, aten.split_with_sizes, aten.chunk, aten.unbind)
+    """An op that cuts its input into consecutive chunks along one dim (``args[2]``, ``unbind``'s
+    ``args[1]``), the chunks' sizes read from its output. ``tensor_split`` by a tensor of indices
+    is not one: its sizes are a tensor input that a rewrite to local sizes would drop."""
+    return packet(node) in SPLIT_PACKETS and node.target is not aten.tensor_split.tensor_indices_or_sections
 
 
 def split_chunks(node: fx.Node) -> list[tuple[int, int]]:

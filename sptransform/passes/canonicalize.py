@@ -27,6 +27,12 @@ broadcast to its shape, which is what it becomes.
     after:   c = _to_copy(x, dtype=buf.dtype)                      # same shape
              c = clone(expand(x, buf.shape))                       # x broadcast
 
+``narrow_as_slice``: ``narrow(x, dim, start, length)`` is the slice it names, and slices have
+the rules (a piece of a fused weight, its bounds on a rank's local rows) that narrow lacks.
+
+    before:  p = narrow(w, 0, 32, 64)
+    after:   p = slice(w, 0, 32, 96)
+
 All edit ``gm`` in place and keep ``node.meta["val"]`` on what they create.
 """
 
@@ -118,10 +124,35 @@ def functional_copies(gm: fx.GraphModule) -> int:
                 new = gm.graph.call_function(aten._to_copy.default, (value,), {"dtype": want.dtype})
             else:
                 new = gm.graph.call_function(aten.clone.default, (value,))
-        new.meta = dict(node.meta)
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
+        _take_over(gm, node, new)
         changed += 1
     if changed:
         gm.recompile()
     return changed
+
+
+def narrow_as_slice(gm: fx.GraphModule) -> int:
+    """Rewrite ``narrow`` with a constant start as ``slice``; returns how many changed."""
+    changed = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.narrow.default:
+            continue
+        x, dim, start, length = node.args
+        if not all(isinstance(v, int) for v in (dim, start, length)):
+            continue  # a start computed in the graph: no static bounds to rewrite with
+        size = x.meta["val"].shape[dim]
+        start = start + size if start < 0 else start  # narrow counts a negative start from the end; slice's end would not
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(aten.slice.Tensor, (x, dim, start, start + length))
+        _take_over(gm, node, new)
+        changed += 1
+    if changed:
+        gm.recompile()
+    return changed
+
+
+def _take_over(gm: fx.GraphModule, node: fx.Node, new: fx.Node) -> None:
+    """``new`` replaces ``node``: its meta (value, source line), its readers; ``node`` goes."""
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)

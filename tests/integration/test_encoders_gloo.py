@@ -1,8 +1,10 @@
 """Beyond causal LMs, on real gloo ranks in float64: torch's encoder, decoder and Transformer,
 ``nn.MultiheadAttention`` cross-attending to a memory longer than the query (its query rows of
-``in_proj_weight`` got half their gradient under SP), and timm's unbind attention (refused under
-SP) train like one device, with and without sequence parallelism; the encoder's attention is split
-per head (each rank holds ~1/tp of the parameter bytes)."""
+``in_proj_weight`` got half their gradient under SP; batch- and sequence-first, ``kdim``/``vdim``,
+no bias, ``need_weights``), and timm's unbind attention (refused under SP) train like one device,
+with and without sequence parallelism; every attention, self- and cross-, is split per head (each
+rank holds ~1/tp of the parameter bytes: cross-attention's ``in_proj_weight.split([E, 2E])`` pieces
+are column-parallel)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from models.encoders import MODELS, inputs
 from simulate import spawn_with_deadline
 
 pytestmark = pytest.mark.slow
+
+SLACK = 0.02  # the layer norms and the biases added after row-parallel linears stay whole
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -50,7 +54,7 @@ def _worker(rank: int, world: int, port: int) -> None:
                     worst = max(worst, _rel(g, grads[n].grad))
                 if worst > 1e-9:
                     failures.append(f"{name} sp={sp}: rel error {worst:.1e}")
-                if name == "torch_encoder" and pm.held_share() > 0.6:
+                if pm.held_share() > 1 / world + SLACK:
                     failures.append(f"{name} sp={sp}: each rank holds {pm.held_share():.3f} of the parameter bytes")
         assert not failures, failures
         dist.barrier()
@@ -59,4 +63,4 @@ def _worker(rank: int, world: int, port: int) -> None:
 
 
 def test_encoders_decoders_and_cross_attention_match_one_device_on_real_ranks():
-    spawn_with_deadline(_worker, 2, 300)
+    spawn_with_deadline(_worker, 2, 600)

@@ -1,6 +1,7 @@
 """Small models beyond causal LMs, written the way users write them: torch's encoder, decoder
 and ``nn.Transformer`` (their ``nn.MultiheadAttention``: fused ``in_proj_weight``), a block that
-cross-attends to a memory of another length, and timm's attention
+cross-attends to a memory of another length (batch- and sequence-first, ``kdim``/``vdim``,
+no bias, torch's explicit path for ``need_weights``), and timm's attention
 (``qkv.reshape(B, N, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)``). Every model takes
 ``(ids, memory_ids, labels)`` and returns the loss."""
 
@@ -46,22 +47,29 @@ class TorchDecoder(nn.Module):
 
 class CrossAttention(nn.Module):
     """A split block before ``nn.MultiheadAttention(x, memory, memory)``: the query stream is
-    sequence-split under SP, the memory whole and of another length."""
+    sequence-split under SP, the memory whole and of another length. Inside torch's function the
+    projections are pieces of parameters: ``in_proj_weight.split([E, 2E])`` (and its bias), or
+    with ``kdim``/``vdim`` three weights and ``in_proj_bias.chunk(3)``. ``self_attention``:
+    ``attn(x, x, x)`` instead (the fused projection, one linear); ``need_weights``: torch's
+    explicit ``baddbmm``/``softmax``/``bmm`` path instead of SDPA."""
 
-    def __init__(self, batch_first: bool = True, kdim: int | None = None):
+    def __init__(self, batch_first: bool = True, kdim: int | None = None, bias: bool = True,
+                 need_weights: bool = False, self_attention: bool = False):
         super().__init__()
-        self.batch_first = batch_first
-        self.tok, self.mem = nn.Embedding(V, D), nn.Embedding(V, kdim or D)
+        self.batch_first, self.need_weights, self.self_attention = batch_first, need_weights, self_attention
+        self.tok, self.mem = nn.Embedding(V, D), None if self_attention else nn.Embedding(V, kdim or D)
         self.mlp = nn.Sequential(nn.Linear(D, 64), nn.GELU(), nn.Linear(64, D))
-        self.attn = nn.MultiheadAttention(D, H, batch_first=batch_first, kdim=kdim, vdim=kdim)
+        self.attn = nn.MultiheadAttention(D, H, batch_first=batch_first, kdim=kdim, vdim=kdim, bias=bias)
         self.head = nn.Linear(D, V)
 
     def forward(self, ids, memory_ids, labels):
-        x, memory = self.tok(ids), self.mem(memory_ids)
+        x = self.tok(ids)
         x = x + self.mlp(x)
+        memory = None if self.self_attention else self.mem(memory_ids)
         if not self.batch_first:
-            x, memory = x.transpose(0, 1), memory.transpose(0, 1)
-        x = x + self.attn(x, memory, memory, need_weights=False)[0]
+            x, memory = x.transpose(0, 1), None if memory is None else memory.transpose(0, 1)
+        memory = x if memory is None else memory  # the query itself: torch's fused self-attention path
+        x = x + self.attn(x, memory, memory, need_weights=self.need_weights)[0]
         if not self.batch_first:
             x = x.transpose(0, 1)
         return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
@@ -98,7 +106,10 @@ MODELS = {
     "torch_decoder": TorchDecoder,
     "torch_transformer": lambda: TorchDecoder(whole_transformer=True),
     "mha_cross": CrossAttention,
+    "mha_cross_seq_first": lambda: CrossAttention(batch_first=False),
     "mha_cross_seq_first_kdim": lambda: CrossAttention(batch_first=False, kdim=24),
+    "mha_cross_no_bias_need_weights": lambda: CrossAttention(bias=False, need_weights=True),
+    "mha_self_seq_first_need_weights": lambda: CrossAttention(batch_first=False, self_attention=True, need_weights=True),
     "timm_attention": TimmLike,
 }
 

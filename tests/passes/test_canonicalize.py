@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from sptransform.graph.sharding import DimShard
-from sptransform.passes.canonicalize import remove_dead_code, repeat_grouped_kv, split_bias
+from sptransform.passes.canonicalize import narrow_as_slice, remove_dead_code, repeat_grouped_kv, split_bias
 from sptransform.passes.localize import localize
 
 aten = torch.ops.aten
@@ -63,6 +63,20 @@ def test_split_bias_takes_the_bias_out_of_linear_and_addmm():
     gm.recompile()
     assert node.target is aten.mm.default and aten.add.Tensor in _targets(gm)
     torch.testing.assert_close(gm(b, x, w), torch.addmm(b, x, w))
+
+
+class Narrows(nn.Module):
+    def forward(self, x):
+        return x.narrow(0, 1, 2) * x.narrow(-1, -3, 2).narrow(0, -2, 2).sum()  # negative starts count from the end
+
+
+def test_narrow_as_slice_keeps_the_rows_including_negative_starts():
+    x = torch.randn(4, 5)
+    gm = _export(Narrows(), x)
+    assert aten.narrow.default in _targets(gm)
+    assert narrow_as_slice(gm) == 3
+    assert aten.narrow.default not in _targets(gm) and _targets(gm).count(aten.slice.Tensor) == 3
+    torch.testing.assert_close(gm(x), Narrows()(x))
 
 
 class GQA(nn.Module):
