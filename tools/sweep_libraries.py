@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     parser.add_argument("--columns", nargs="+", default=["pp2"], choices=sorted(sweep.REAL_RANKS_ONLY | {"tp2_sp"}))
+    parser.add_argument("--processes", action="store_true", help=argparse.SUPPRESS)  # always: real processes
     parser.add_argument("--json")
     parser.add_argument("--out", default=None, help="markdown file whose 'libraries' section --render-from replaces "
                         "(default docs/supported_models.md)")
