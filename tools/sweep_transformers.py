@@ -988,6 +988,29 @@ against an expectation table, so a family that turns wrong, or a known-wrong one
 """
 
 
+def merge_json(out: str, paths: list[str]) -> None:
+    """One --json file of several sweeps' results (in the order given; a family twice is an error):
+    the first one's meta, the seconds summed, totals recounted."""
+    if not paths:
+        raise SystemExit("sweep_transformers: --merge-json OUT needs at least one JSON to merge")
+    results, meta, seconds = [], None, 0.0
+    for path in paths:
+        with open(path) as f:
+            saved = json.load(f)
+        meta = meta or dict(saved["meta"])
+        if saved["meta"].get("columns") != meta.get("columns") or saved["meta"].get("engine") != meta.get("engine"):
+            raise SystemExit(f"sweep_transformers: {path} ran other columns or another engine than {paths[0]}")
+        seconds += saved["meta"].get("seconds", 0.0)
+        results += saved["results"]
+    seen = [r["model_type"] for r in results]
+    twice = sorted({m for m in seen if seen.count(m) > 1})
+    if twice:
+        raise SystemExit(f"sweep_transformers: {', '.join(twice)} in several of the files to merge")
+    meta["seconds"] = seconds
+    with open(out, "w") as f:
+        json.dump({"meta": meta, "totals": totals(results), "results": results}, f, indent=1, default=str)
+
+
 def write_section(path: str, name: str, body: str) -> None:
     """Replace the section ``name`` of the document at ``path`` (created if missing), keeping the rest."""
     begin, end = BEGIN.format(name), END.format(name)
@@ -1049,9 +1072,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--render-layouts", nargs="+", metavar="JSON", help="no run: write the section "
                         "'transformers-layouts' of --out (default docs/supported_models.md) from --json files of "
                         "earlier sweeps (one table column per file and verified column)")
+    parser.add_argument("--merge-json", nargs="+", metavar=("OUT", "JSON"), help="no run: write OUT, one --json "
+                        "file of the results of several (sweeps of the same columns, one family each, e.g.), "
+                        "their seconds summed")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.merge_json:
+        merge_json(args.merge_json[0], args.merge_json[1:])
+        return 0
     target = Target(hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads)
     engine = Engine(processes=args.processes, dtype=args.dtype, columns=tuple(args.columns))
     if args.worker:

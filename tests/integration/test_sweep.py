@@ -235,6 +235,16 @@ def test_pipeline_and_recompute_columns_run_on_real_ranks_and_render(monkeypatch
         (tmp_path / path).write_text(json.dumps({"results": run["results"], "meta": run["meta"]}))
     sweep.main(["--render-layouts", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(doc)])
     assert "<!-- BEGIN transformers-layouts (generated) -->\n## Pipeline stages and recompute" in doc.read_text()
+    # one family a sweep, merged into one run
+    for r in results[:2]:
+        (tmp_path / f"{r['model_type']}.json").write_text(json.dumps({"results": [r], "meta": meta32}))
+    merged = tmp_path / "merged.json"
+    sweep.main(["--merge-json", str(merged), str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    saved = json.loads(merged.read_text())
+    assert [r["model_type"] for r in saved["results"]] == ["a", "b"] and saved["meta"]["seconds"] == 18.0
+    assert saved["totals"]["pp2"] == {"equal": 1, "refused": 1}
+    with pytest.raises(SystemExit, match="a in several"):
+        sweep.main(["--merge-json", str(merged), str(tmp_path / "a.json"), str(tmp_path / "a.json")])
 
 
 # -- slow: the script on a subset --------------------------------------------------------------------
