@@ -555,6 +555,9 @@ def run_verify(model, inputs, *, tp: int, sp: bool, processes: bool = False, pp:
     try:
         report = sptransform.verify(model, tp=tp, sp=sp, pp=pp, example_inputs=inputs, processes=processes,
                                     recompute=recompute, compile=compile, rtol=rtol)
+    except TimeoutError as error:  # verify's own limit (timeout_s) on its spawned processes
+        return {"status": "timeout", "reason": f"TimeoutError: {_first_line(error)}",
+                "seconds": time.monotonic() - start}
     except Exception as error:  # verify itself raised (not a refusal, not a finished comparison)
         where = traceback.extract_tb(error.__traceback__)[-1]
         return {"status": "error", "reason": f"{type(error).__name__}: {_first_line(error)} "

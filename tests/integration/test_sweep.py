@@ -235,6 +235,14 @@ def test_pipeline_and_recompute_columns_run_on_real_ranks_and_render(monkeypatch
         (tmp_path / path).write_text(json.dumps({"results": run["results"], "meta": run["meta"]}))
     sweep.main(["--render-layouts", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(doc)])
     assert "<!-- BEGIN transformers-layouts (generated) -->\n## Pipeline stages and recompute" in doc.read_text()
+    # verify's own time limit on its processes is a timeout, not an error of sptransform
+    def slow_verify(model, **kwargs):
+        raise TimeoutError("the verification did not finish within timeout_s=600 s")
+
+    monkeypatch.setattr(sptransform, "verify", slow_verify)
+    got = sweep.run_verify(None, {}, tp=2, sp=True, processes=True, recompute="selective")
+    assert got["status"] == "timeout" and "timeout_s=600" in got["reason"]
+    assert sweep.outcome({"recompute": got}, "recompute")[0] == "timeout"
     # one family a sweep, merged into one run
     for r in results[:2]:
         (tmp_path / f"{r['model_type']}.json").write_text(json.dumps({"results": [r], "meta": meta32}))
