@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             versions[dist_name] = None
     meta = {"when": time.strftime("%Y-%m-%d"), "torch": torch.__version__.split("+")[0], "seconds": seconds,
             "jobs": args.jobs, "engine": engine.describe(), "columns": list(engine.columns), "libraries": versions,
-            "transformers": "-"}
+            }
     t = sweep.totals(results)
     print(json.dumps({k: v for k, v in t.items() if k in engine.columns}), f"{seconds:.0f} s", flush=True)
     if args.json:

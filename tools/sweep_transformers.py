@@ -923,9 +923,11 @@ def render_layouts(runs: list[dict], title: str = "Pipeline stages and recompute
                 counts[word] = counts.get(word, 0) + 1
         order = ["equal", "refused", "wrong", "error", "timeout", "crashed"]
         parts = [f"{w} {counts.get(w, 0)}" for w in order] + [f"{w} {n}" for w, n in counts.items() if w not in order]
+        libraries = meta.get("libraries") or {"transformers": meta.get("transformers", "?")}
+        versions = ", ".join(f"{name} {version}" for name, version in libraries.items())
         lines.append(f"* **{head}**: " + ", ".join(parts) + f" (of {len(tried)} tried, {trains} train on one "
-                     f"device; {meta.get('when', '?')}, transformers {meta.get('transformers', '?')}, torch "
-                     f"{meta.get('torch', '?')}, {meta.get('seconds', 0):.0f} s with --jobs {meta.get('jobs', 1)})")
+                     f"device; {meta.get('when', '?')}, {versions}, torch {meta.get('torch', '?')}, "
+                     f"{meta.get('seconds', 0):.0f} s with --jobs {meta.get('jobs', 1)})")
     families = sorted({r["model_type"] for run in runs for r in run["results"] if "not_run" not in r})
     by_run = [{r["model_type"]: r for r in run["results"]} for run in runs]
     lines += ["", "| family | " + " | ".join(heads) + " | reason |", "| --- | " + "--- | " * len(runs) + "--- |"]
@@ -933,8 +935,8 @@ def render_layouts(runs: list[dict], title: str = "Pipeline stages and recompute
         cells, reasons = [], []
         for run, results, head in zip(runs, by_run, heads):
             r = results.get(family)
-            if r is None:
-                cells.append("")
+            if r is None:  # this sweep did not run the family (a sample cut short, another --only)
+                cells.append("not run")
                 continue
             word, reason = outcome(r, run["key"])
             if not word:  # not reached: the build or one device failed (or an earlier column ended it)
