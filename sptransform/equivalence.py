@@ -43,6 +43,7 @@ import torch.nn as nn
 
 from sptransform.api import normalize_example_inputs
 from sptransform.copying import faithful_deepcopy
+from sptransform.options import check_graph_compiler, check_recompute
 from sptransform.runtime.params import call_defaults
 from sptransform.torch_internals import local_tensor_mode, quiet_fake_tensor_meta_failures
 from sptransform.verify_ranks import (
@@ -90,6 +91,9 @@ class VerifyReport:
     dp: int = 1
     steps: int = 1
     rtol: float = 1e-4
+    recompute: str | float | int = "none"
+    compile: str = "inductor"
+    """``parallelize``'s ``recompute`` and ``compile`` (the latter used only with a ``recompute``)."""
     ranks: Literal["simulated", "processes"] = "simulated"
     """Where the parallel model ran: ranks simulated in one process (``LocalTensorMode``), or
     real processes (spawned by verify, or the caller's ``torchrun`` job)."""
@@ -117,7 +121,8 @@ class VerifyReport:
 
     def __str__(self) -> str:
         layout = (f"tp={self.tp}" + (f" pp={self.pp}" if self.pp > 1 else "") + (f" dp={self.dp}" if self.dp > 1 else "")
-                  + f" sp={self.sp}")
+                  + f" sp={self.sp}"
+                  + (f" recompute={self.recompute!r} compile={self.compile!r}" if self.recompute != "none" else ""))
         lines = [f"sptransform.verify: {layout}, {self.engine}, {self.steps} SGD step{'s' if self.steps != 1 else ''}, "
                  f"rtol {self.rtol:g}"]
         if self.rows:
@@ -164,6 +169,8 @@ def verify(
     rtol: float = 1e-4,
     timeout_s: float = 600.0,
     processes: bool | None = None,
+    recompute: str | float | int = "none",
+    compile: Literal["inductor", "eager"] = "inductor",
 ) -> VerifyReport:
     """Compare ``parallelize(copy of model, tp=..., sp=..., pp=..., dp=...)`` with the model itself.
 
@@ -229,6 +236,13 @@ def verify(
     the groups' gradients computes. Each rank's outputs are compared with the reference's
     outputs of its piece.
 
+    **recompute, compile.** Passed to ``parallelize`` as they are (see there): the parallel graph
+    (of the module, or of each pipeline stage) is partitioned by the ``recompute`` policy or
+    budget and the partitioned forward and backward compiled by ``compile`` (``"inductor"``:
+    generated kernels). AOTAutograd cannot trace simulated ranks, so ``recompute`` other than
+    ``"none"`` needs real processes: ``processes=False`` is then a ``ValueError``, and so is a
+    model that cannot be sent to them. ``compile`` is unused with ``recompute="none"``.
+
     **Errors.** A ``ValueError``/``TypeError`` from ``parallelize`` (or from the parallel
     model's first forward, where a new input shape is captured) is a refusal: status
     ``"refused"`` with the message in ``error``, nothing raised. Any other exception from
@@ -246,7 +260,7 @@ def verify(
     as before the call when it returns or raises.
     """
     _check_arguments(model, tp=tp, sp=sp, pp=pp, dp=dp, steps=steps, rtol=rtol, timeout_s=timeout_s,
-                     processes=processes)
+                     processes=processes, recompute=recompute, compile=compile)
     if local_tensor_mode() is not None:
         raise ValueError("sptransform.verify was called inside an active LocalTensorMode: call it outside")
     on_group = dist.is_available() and dist.is_initialized()
@@ -258,17 +272,24 @@ def verify(
             f"{pp if pp > 1 else dp} needs real processes (LocalTensorMode runs neither torch's pipelining nor "
             "data-parallel meshes): pass processes=None or True"
         )
+    elif processes is False and recompute != "none":
+        raise ValueError(
+            f"processes=False simulates the ranks, and recompute={recompute!r} needs real processes (AOTAutograd, "
+            "which partitions and compiles the graphs, cannot trace LocalTensorMode's simulated ranks): pass "
+            "processes=None or True, or recompute='none'"
+        )
     with torch.random.fork_rng(devices=[]), quiet_fake_tensor_meta_failures():
         torch.manual_seed(SEED)
         args, kwargs, notes = _inputs(model, example_inputs, tp, dp)
-        fields = dict(tp=tp, sp=sp, pp=pp, dp=dp, steps=steps, rtol=rtol)
+        fields = dict(tp=tp, sp=sp, pp=pp, dp=dp, steps=steps, rtol=rtol, recompute=recompute, compile=compile)
         if pp > 1 and model.training:
             model = faithful_deepcopy(model).eval()
             notes.append("pp > 1: pipeline ranks draw dropout masks per microbatch and per process, which no "
                          "single-device run reproduces: compared in eval() mode (dropout off)")
         ref, loss_name = run_reference(model, args, kwargs, steps, dp=dp)
         case = ParallelCase(model, args, kwargs, tp=tp, sp=sp, pp=pp, dp=dp, steps=steps, loss=loss_name,
-                            n_microbatches=_microbatches(args, kwargs, pp, dp))
+                            n_microbatches=_microbatches(args, kwargs, pp, dp), recompute=recompute,
+                            compile=compile)
         run, fields["ranks"], fields["processes"], fields["backend"] = _run_parallel(
             case, on_group=on_group, processes=processes, timeout_s=timeout_s, notes=notes)
         if run.refused:
@@ -302,11 +323,12 @@ def _run_parallel(case: ParallelCase, *, on_group: bool, processes: bool | None,
         try:
             return run_processes([case], timeout_s=timeout_s)[0], "processes", case.world, "gloo"
         except NotPortable as why:
-            if processes or case.pp > 1 or case.dp > 1:
+            needs_processes = case.pp > 1 or case.dp > 1 or case.recompute != "none"
+            if processes or needs_processes:
                 raise ValueError(
                     f"real processes are spawned (start method 'spawn'), so the model must be picklable with its "
                     f"classes importable by module name, and it is not: {why}; define the model in an importable "
-                    "module without lambdas" + ("" if case.pp > 1 or case.dp > 1 else
+                    "module without lambdas" + ("" if needs_processes else
                                                 ", or pass processes=False for simulated ranks")
                 ) from None
             notes.append(f"simulated ranks, not real processes: the model cannot be sent to spawned processes ({why})")
@@ -342,7 +364,8 @@ def _microbatches(args: tuple, kwargs: dict, pp: int, dp: int) -> int:
 # -- arguments and inputs ---------------------------------------------------
 
 
-def _check_arguments(model, *, tp, sp, pp, dp, steps, rtol, timeout_s, processes) -> None:
+def _check_arguments(model, *, tp, sp, pp, dp, steps, rtol, timeout_s, processes, recompute="none",
+                     compile="inductor") -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"verify expects an nn.Module, got {type(model).__name__}")
     for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("steps", steps)):
@@ -358,6 +381,8 @@ def _check_arguments(model, *, tp, sp, pp, dp, steps, rtol, timeout_s, processes
     for name, value in (("rtol", rtol), ("timeout_s", timeout_s)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ValueError(f"{name}={value!r} must be a finite number >= 0")
+    check_recompute(recompute)  # parallelize's own rules, checked before anything is spawned
+    check_graph_compiler(compile)
 
 
 def _inputs(model: nn.Module, example_inputs: Any, tp: int, dp: int) -> tuple[tuple, dict, list[str]]:

@@ -73,7 +73,7 @@ DEFAULT_GRAPH_CACHE_SIZE = 8
 about 1-2 MiB for a small model, several times that with ``recompute``)."""
 
 
-def _check_recompute(recompute) -> None:
+def check_recompute(recompute) -> None:
     """A policy name, or a budget: bytes per rank (int >= 2) or a fraction of ``"none"`` in (0, 1]."""
     if isinstance(recompute, str):
         if recompute not in RECOMPUTE_POLICIES:
@@ -171,7 +171,7 @@ class ParallelOptions:
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=0, maximum=SEED_LIMIT,
                        fix="pass an int in [0, 2**63), or None for torch.initial_seed()")
-        _check_recompute(self.recompute)
+        check_recompute(self.recompute)
         _check_bool("check_inputs", self.check_inputs)
         _check_int("graph_cache_size", self.graph_cache_size, minimum=1,
                    fix="the number of input signatures whose graphs are kept (default 8)")

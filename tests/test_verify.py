@@ -284,6 +284,10 @@ def test_inside_a_job_runs_only_on_the_jobs_ranks(models, kwargs, message):
     (dict(tp=2, pp=2, processes=False), ValueError, "pp=2 needs real processes.*processes=None or True"),
     (dict(tp=2, dp=2, processes=False), ValueError, "dp=2 needs real processes"),
     (dict(tp=2, dp=3, processes=True), ValueError, "batch of 2 does not split into 3"),  # before any spawn
+    (dict(tp=2, recompute="sometimes"), ValueError, "recompute='sometimes' is not a policy"),
+    (dict(tp=2, recompute=1.5), ValueError, "a float budget"), (dict(tp=2, recompute=True), TypeError, "neither"),
+    (dict(tp=2, recompute="selective", compile="tvm"), ValueError, "compile='tvm' must be one of"),
+    (dict(tp=2, recompute="selective", processes=False), ValueError, "recompute='selective' needs real processes"),
 ])
 def test_bad_arguments_raise(models, kwargs, error, message):
     module, _ = models
@@ -379,6 +383,18 @@ def test_pipeline_gpt2_verifies_equal_on_gloo_processes():
     assert report.ok, str(report)
     assert any("eval() mode" in note for note in report.notes)  # pipeline dropout masks differ per microbatch
     assert {row.name for row in report.rows if row.kind == "grad"} == {n for n, _ in gpt2().named_parameters()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recompute", ["selective", 0.5])
+def test_recompute_compiled_by_inductor_verifies_equal_on_gloo_processes(models, recompute):
+    module, _ = models
+    model, inputs = module.rms()
+    report = sptransform.verify(model, tp=2, example_inputs=inputs, recompute=recompute, compile="inductor",
+                                processes=True, timeout_s=300)
+    assert report.ok, str(report)
+    assert (report.recompute, report.compile, report.ranks) == (recompute, "inductor", "processes")
+    assert f"recompute={recompute!r} compile='inductor'" in str(report).splitlines()[0]
 
 
 # -- the command line -------------------------------------------------------------

@@ -88,13 +88,14 @@ class Engine:
 
     processes: bool = False
     dtype: str = "float32"
-    columns: tuple[str, ...] = ("tp2_sp", "tp4")
+    columns: tuple[str, ...] = ("tp2_sp", "tp4")  # DEFAULT_COLUMNS
 
     def args(self) -> list[str]:
         return (["--processes"] if self.processes else []) + ["--dtype", self.dtype, "--columns", *self.columns]
 
     def describe(self) -> str:
-        return ("real gloo processes" if self.processes else "simulated ranks") + f", {self.dtype}"
+        real = self.processes or (self.columns and set(self.columns) <= REAL_RANKS_ONLY)
+        return ("real gloo processes" if real else "simulated ranks") + f", {self.dtype}"
 
 
 # -- which classes ------------------------------------------------------------------------
@@ -544,19 +545,26 @@ def _takes(model, name: str) -> bool:
         return False
 
 
-def run_verify(model, inputs, *, tp: int, sp: bool, processes: bool = False) -> dict:
+def run_verify(model, inputs, *, tp: int, sp: bool, processes: bool = False, pp: int = 1,
+               recompute: str | float | int = "none", compile: str = "inductor", rtol: float = 1e-4) -> dict:
+    """``sptransform.verify`` of one layout, as a JSON-able dict (``status``: equal / different /
+    refused / error). ``pp > 1`` and a ``recompute`` need real processes (``processes=True``)."""
     import sptransform
 
     start = time.monotonic()
     try:
-        report = sptransform.verify(model, tp=tp, sp=sp, example_inputs=inputs, processes=processes)
+        report = sptransform.verify(model, tp=tp, sp=sp, pp=pp, example_inputs=inputs, processes=processes,
+                                    recompute=recompute, compile=compile, rtol=rtol)
+    except TimeoutError as error:  # verify's own limit (timeout_s) on its spawned processes
+        return {"status": "timeout", "reason": f"TimeoutError: {_first_line(error)}",
+                "seconds": time.monotonic() - start}
     except Exception as error:  # verify itself raised (not a refusal, not a finished comparison)
         where = traceback.extract_tb(error.__traceback__)[-1]
         return {"status": "error", "reason": f"{type(error).__name__}: {_first_line(error)} "
                 f"({os.path.basename(where.filename)}:{where.lineno})", "seconds": time.monotonic() - start}
     result = {"status": report.status, "seconds": round(time.monotonic() - start, 2), "notes": report.notes,
               "linears": list(report.linears) if getattr(report, "linears", None) else None,
-              "held_share": report.held_share, "ranks": report.ranks}
+              "held_share": report.held_share, "ranks": report.ranks, "rtol": rtol}
     if report.status == "refused":
         result["reason"] = _first_line(report.error)
     elif report.status == "different":
@@ -647,12 +655,12 @@ def worker(model_type: str, class_name: str, target: Target, result_path: str, e
     save()
     if result["single"]["status"] != "ok":
         return
-    for key, tp, sp in (("tp2_sp", 2, True), ("tp4", 4, False)):
+    for key, _ in COLUMNS:
         if key not in engine.columns:
             continue
         result["stage"] = key
         save()
-        result[key] = run_verify(model, inputs, tp=tp, sp=sp, processes=engine.processes)
+        result[key] = run_verify(model, inputs, processes=engine.processes or key in REAL_RANKS_ONLY, **LAYOUTS[key])
         save()
     result["stage"] = "done"
     save()
@@ -660,8 +668,27 @@ def worker(model_type: str, class_name: str, target: Target, result_path: str, e
 
 # -- the sweep: one subprocess per family -------------------------------------------------------
 
-COLUMNS = (("tp2_sp", "tp=2+SP"), ("tp4", "tp=4"))
-"""Result key and column title of the two verify runs."""
+COLUMNS = (("tp2_sp", "tp=2+SP"), ("tp4", "tp=4"), ("pp2", "pp=2"),
+           ("recompute", "tp=2+SP, recompute selective"), ("budget", "tp=2+SP, recompute budget 0.5"))
+"""Result key and column title of each verify run (``LAYOUTS``: its arguments)."""
+
+LAYOUTS: dict[str, dict] = {
+    "tp2_sp": dict(tp=2, sp=True),
+    "tp4": dict(tp=4, sp=False),
+    # two pipeline stages on one tensor-parallel rank each: the cut between blocks alone
+    "pp2": dict(tp=1, sp=False, pp=2),
+    # the partitioned forward and backward compiled by inductor (issue 24: its layouts)
+    "recompute": dict(tp=2, sp=True, recompute="selective", compile="inductor"),
+    "budget": dict(tp=2, sp=True, recompute=0.5, compile="inductor"),
+}
+"""Column key -> ``run_verify``'s layout arguments."""
+
+REAL_RANKS_ONLY = frozenset({"pp2", "recompute", "budget"})
+"""Columns that run on real gloo processes whatever ``--processes`` says: simulated ranks run
+neither torch's pipelining nor AOTAutograd (which partitions and compiles for ``recompute``)."""
+
+DEFAULT_COLUMNS = ("tp2_sp", "tp4")
+"""What a sweep runs unless ``--columns`` says otherwise (the others spawn processes per family)."""
 
 
 def run_family(entry: dict, timeout: float, script: str = __file__, worker_args: tuple = ()) -> dict:
@@ -823,6 +850,8 @@ def render(results: list[dict], meta: dict) -> str:
         f"{t['trains']}**",
     ]
     for key, title in COLUMNS:
+        if key not in meta.get("columns", DEFAULT_COLUMNS):
+            continue
         c = t[key]
         order = ["equal", "refused", "wrong", "error", "timeout", "crashed"]
         parts = [f"{word} {c.get(word, 0)}" for word in order]
@@ -863,6 +892,61 @@ def render(results: list[dict], meta: dict) -> str:
     for r in results:
         if "not_run" in r:
             lines.append(f"| {r['model_type']} | {r['class']} | {_cell(r['not_run'])} |")
+    return "\n".join(lines) + "\n"
+
+
+LAYOUTS_INTRO = (
+    "Generated by `python tools/sweep_transformers.py --render-layouts …` from sweeps run with "
+    "`--columns pp2` / `recompute` / `budget` on a sample of families (the rule is in the README). Each "
+    "runs `sptransform.verify` on **real gloo processes**: pp=2 is `tp=1, pp=2` (two pipeline stages, "
+    "`step()` with 1F1B and 2 microbatches, compared in eval() mode); *recompute* is `tp=2, sp=True, "
+    "recompute='selective'` and *budget* `recompute=0.5`, their partitioned forward and backward compiled "
+    "by inductor (`compile='inductor'`). 1 SGD step, rtol 1e-4; words as in the section below.")
+
+
+def render_layouts(runs: list[dict], title: str = "Pipeline stages and recompute on real ranks",
+                   intro: str = LAYOUTS_INTRO) -> str:
+    """The section 'transformers-layouts': one table column per run, ``{"key": a COLUMNS key,
+    "results": a sweep's results, "meta": its meta}`` (a run is one column of one sweep: pp=2 in
+    float32, the same in float64, recompute ...), one row per family any run tried."""
+    titles = dict(COLUMNS)
+    heads = [f"{titles[run['key']]}, {run['meta'].get('engine', '').split(', ')[-1]}" for run in runs]
+    lines = [f"## {title}", "", intro, ""]
+    for run, head in zip(runs, heads):
+        results, meta = run["results"], run["meta"]
+        tried = [r for r in results if "not_run" not in r]
+        trains = sum(single_outcome(r)[0] == "trains" for r in tried)
+        counts: dict[str, int] = {}
+        for r in tried:
+            word = outcome(r, run["key"])[0]
+            if word:
+                counts[word] = counts.get(word, 0) + 1
+        order = ["equal", "refused", "wrong", "error", "timeout", "crashed"]
+        parts = [f"{w} {counts.get(w, 0)}" for w in order] + [f"{w} {n}" for w, n in counts.items() if w not in order]
+        libraries = meta.get("libraries") or {"transformers": meta.get("transformers", "?")}
+        versions = ", ".join(f"{name} {version}" for name, version in libraries.items())
+        lines.append(f"* **{head}**: " + ", ".join(parts) + f" (of {len(tried)} tried, {trains} train on one "
+                     f"device; {meta.get('when', '?')}, {versions}, torch {meta.get('torch', '?')}, "
+                     f"{meta.get('seconds', 0):.0f} s with --jobs {meta.get('jobs', 1)})")
+    families = sorted({r["model_type"] for run in runs for r in run["results"] if "not_run" not in r})
+    by_run = [{r["model_type"]: r for r in run["results"]} for run in runs]
+    lines += ["", "| family | " + " | ".join(heads) + " | reason |", "| --- | " + "--- | " * len(runs) + "--- |"]
+    for family in families:
+        cells, reasons = [], []
+        for run, results, head in zip(runs, by_run, heads):
+            r = results.get(family)
+            if r is None:  # this sweep did not run the family (a sample cut short, another --only)
+                cells.append("not run")
+                continue
+            word, reason = outcome(r, run["key"])
+            if not word:  # not reached: the build or one device failed (or an earlier column ended it)
+                word, reason = "–", single_outcome(r)[1] or r.get("ended", "")
+                reason = f"one device: {reason}" if reason else ""
+            cells.append(word + _split_cell(r, run["key"]))
+            if reason and all(reason != seen for _, seen in reasons):
+                reasons.append((head, reason))
+        why = " / ".join(f"{head}: {reason}" if len(runs) > 1 else reason for head, reason in reasons)
+        lines.append(f"| {family} | " + " | ".join(cells) + f" | {_cell(why, 500)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -909,6 +993,29 @@ against an expectation table, so a family that turns wrong, or a known-wrong one
 """
 
 
+def merge_json(out: str, paths: list[str]) -> None:
+    """One --json file of several sweeps' results (in the order given; a family twice is an error):
+    the first one's meta, the seconds summed, totals recounted."""
+    if not paths:
+        raise SystemExit("sweep_transformers: --merge-json OUT needs at least one JSON to merge")
+    results, meta, seconds = [], None, 0.0
+    for path in paths:
+        with open(path) as f:
+            saved = json.load(f)
+        meta = meta or dict(saved["meta"])
+        if saved["meta"].get("columns") != meta.get("columns") or saved["meta"].get("engine") != meta.get("engine"):
+            raise SystemExit(f"sweep_transformers: {path} ran other columns or another engine than {paths[0]}")
+        seconds += saved["meta"].get("seconds", 0.0)
+        results += saved["results"]
+    seen = [r["model_type"] for r in results]
+    twice = sorted({m for m in seen if seen.count(m) > 1})
+    if twice:
+        raise SystemExit(f"sweep_transformers: {', '.join(twice)} in several of the files to merge")
+    meta["seconds"] = seconds
+    with open(out, "w") as f:
+        json.dump({"meta": meta, "totals": totals(results), "results": results}, f, indent=1, default=str)
+
+
 def write_section(path: str, name: str, body: str) -> None:
     """Replace the section ``name`` of the document at ``path`` (created if missing), keeping the rest."""
     begin, end = BEGIN.format(name), END.format(name)
@@ -940,7 +1047,7 @@ def sweep(entries: list[dict], *, jobs: int, timeout: float, progress=None, scri
 
 def print_progress(result: dict, done: int, total: int) -> None:
     single = single_outcome(result)[0]
-    cols = " ".join(f"{title}={outcome(result, key)[0] or '-'}" for key, title in COLUMNS)
+    cols = " ".join(f"{key}={outcome(result, key)[0]}" for key, _ in COLUMNS if outcome(result, key)[0])
     print(f"[{done:3d}/{total}] {result['model_type']:28s} {result.get('seconds', 0):6.1f}s {single:12s} {cols}",
           flush=True)
 
@@ -963,17 +1070,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", action="store_true", help="verify on real gloo processes (as users run) "
                         "instead of simulated ranks")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"), help="the models' dtype")
-    parser.add_argument("--columns", nargs="+", default=[k for k, _ in COLUMNS], choices=[k for k, _ in COLUMNS],
-                        help="which layouts to verify (default all)")
+    parser.add_argument("--columns", nargs="+", default=list(DEFAULT_COLUMNS), choices=[k for k, _ in COLUMNS],
+                        help=f"which layouts to verify (default {' '.join(DEFAULT_COLUMNS)}); pp2 (tp=1, pp=2), "
+                        "recompute (tp=2+SP, recompute='selective') and budget (recompute=0.5), both compiled by "
+                        "inductor, always run on real gloo processes")
+    parser.add_argument("--render-layouts", nargs="+", metavar="JSON", help="no run: write the section "
+                        "'transformers-layouts' of --out (default docs/supported_models.md) from --json files of "
+                        "earlier sweeps (one table column per file and verified column)")
+    parser.add_argument("--merge-json", nargs="+", metavar=("OUT", "JSON"), help="no run: write OUT, one --json "
+                        "file of the results of several (sweeps of the same columns, one family each, e.g.), "
+                        "their seconds summed")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.merge_json:
+        merge_json(args.merge_json[0], args.merge_json[1:])
+        return 0
     target = Target(hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads)
     engine = Engine(processes=args.processes, dtype=args.dtype, columns=tuple(args.columns))
     if args.worker:
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
         worker(args.worker, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[args.worker], target, args.result, engine)
+        return 0
+    if args.render_layouts:
+        runs = []
+        for path in args.render_layouts:
+            with open(path) as f:
+                saved = json.load(f)
+            runs += [{"key": key, "results": saved["results"], "meta": saved["meta"]}
+                     for key in saved["meta"].get("columns", DEFAULT_COLUMNS)]
+        write_section(args.out or DOC, "transformers-layouts", render_layouts(runs))
+        print(f"wrote {args.out or DOC}")
         return 0
     if args.render_from:
         with open(args.render_from) as f:

@@ -68,7 +68,7 @@ def train_one_device(model, inputs) -> dict:
             "no_grad": [n for n, p in params.items() if p.requires_grad and p.grad is None]}
 
 
-def worker(name: str, result_path: str) -> None:
+def worker(name: str, result_path: str, engine: sweep.Engine = sweep.Engine()) -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -83,6 +83,7 @@ def worker(name: str, result_path: str) -> None:
     save()
     try:
         model, inputs = zoo.build(name)
+        model = model.to(getattr(torch, engine.dtype))
     except Exception as error:
         result["build"] = {"status": "fail", "reason": f"{type(error).__name__}: {sweep._first_line(error)}"}
         save()
@@ -98,10 +99,13 @@ def worker(name: str, result_path: str) -> None:
     save()
     if result["single"]["status"] != "ok":
         return
-    for key, tp, sp in (("tp2_sp", 2, True), ("tp4", 4, False)):
+    for key, _ in sweep.COLUMNS:
+        if key not in engine.columns:
+            continue
         result["stage"] = key
         save()
-        result[key] = sweep.run_verify(model, inputs, tp=tp, sp=sp)
+        result[key] = sweep.run_verify(model, inputs, processes=engine.processes or key in sweep.REAL_RANKS_ONLY,
+                                       **sweep.LAYOUTS[key])
         save()
     result["stage"] = "done"
     save()
@@ -123,6 +127,8 @@ def render(results: list[dict], meta: dict) -> str:
         f"* **tried: {t['tried']}**; **train on one device: {t['trains']}**",
     ]
     for key, title in sweep.COLUMNS:
+        if key not in meta.get("columns", sweep.DEFAULT_COLUMNS):
+            continue
         c = t[key]
         order = ["equal", "refused", "wrong", "error", "timeout", "crashed"]
         lines.append(f"* **{title}**: " + ", ".join([f"{w} {c.get(w, 0)}" for w in order]
@@ -164,11 +170,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json")
     parser.add_argument("--render-from", metavar="JSON", help="no run: write --out (default "
                         "docs/supported_models.md) from a --json file of an earlier run")
+    parser.add_argument("--columns", nargs="+", default=list(sweep.DEFAULT_COLUMNS),
+                        choices=[k for k, _ in sweep.COLUMNS], help="which layouts to verify (as in "
+                        "tools/sweep_transformers.py; pp2, recompute and budget run on real gloo processes)")
+    parser.add_argument("--processes", action="store_true", help="every column on real gloo processes")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float64"), help="the models' dtype")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    engine = sweep.Engine(processes=args.processes, dtype=args.dtype, columns=tuple(args.columns))
     if args.worker:
-        worker(args.worker, args.result)
+        worker(args.worker, args.result, engine)
         return 0
     if args.render_from:
         with open(args.render_from) as f:
@@ -178,11 +190,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     start = time.monotonic()
     results = sweep.sweep(entries(args.only), jobs=args.jobs, timeout=args.timeout, progress=sweep.print_progress,
-                          script=os.path.abspath(__file__))
+                          script=os.path.abspath(__file__), worker_args=tuple(engine.args()))
     seconds = time.monotonic() - start
     import torch
 
-    meta = {"when": time.strftime("%Y-%m-%d"), "torch": torch.__version__.split("+")[0], "seconds": seconds}
+    meta = {"when": time.strftime("%Y-%m-%d"), "torch": torch.__version__.split("+")[0], "seconds": seconds,
+            "engine": engine.describe(), "columns": list(engine.columns), "jobs": args.jobs, "transformers": "-"}
     t = sweep.totals(results)
     print(json.dumps({k: v for k, v in t.items() if not k.endswith("_reasons")}), flush=True)
     out = args.out or (sweep.DOC if not args.only else None)

@@ -184,6 +184,77 @@ def test_totals_and_table_format(tmp_path):
     assert "Causal LMs in transformers" not in body and body.count("<!-- BEGIN") == 2
 
 
+def test_pipeline_and_recompute_columns_run_on_real_ranks_and_render(monkeypatch, tmp_path):
+    # the worker asks verify for the layout of each column, on real processes for pp2/recompute/budget
+    # whatever --processes says (simulated ranks run neither pipelining nor AOTAutograd)
+    calls = []
+
+    def fake_verify(model, **kwargs):
+        calls.append(kwargs)
+        import sptransform
+
+        return sptransform.VerifyReport(status="equal", worst=0.0, tp=kwargs["tp"], pp=kwargs["pp"])
+
+    import sptransform
+
+    monkeypatch.setattr(sptransform, "verify", fake_verify)
+    result = tmp_path / "r.json"
+    engine = sweep.Engine(processes=False, columns=("tp2_sp", "pp2", "recompute", "budget"))
+    target = sweep.Target(layers=1, hidden=32, heads=4, kv_heads=2, intermediate=64, vocab=96)
+    sweep.worker("llama", "LlamaForCausalLM", target, str(result), engine)
+    got = [(c["tp"], c["sp"], c["pp"], c["processes"], c["recompute"], c["compile"]) for c in calls]
+    assert got == [(2, True, 1, False, "none", "inductor"), (1, False, 2, True, "none", "inductor"),
+                   (2, True, 1, True, "selective", "inductor"), (2, True, 1, True, 0.5, "inductor")]
+    saved = json.loads(result.read_text())
+    assert [saved[k]["status"] for k in ("tp2_sp", "pp2", "recompute", "budget")] == ["equal"] * 4
+    assert sweep.Engine(columns=("pp2", "recompute")).describe() == "real gloo processes, float32"
+    assert sweep.Engine(columns=("tp2_sp", "pp2")).describe() == "simulated ranks, float32"
+
+    # one table column per (sweep, column); a family one device could not train shows why
+    results = _synthetic_results()
+    results[0]["pp2"] = {"status": "equal", "worst": 0.0, "held_share": 0.55}
+    results[1]["pp2"] = {"status": "refused", "reason": "pp=2 needs at least 2 transformer layers; the model has 1"}
+    results[2]["pp2"] = {"status": "error", "reason": "RuntimeError: boom (x.py:1)"}
+    f64 = [dict(r, pp2={"status": "equal", "worst": 0.0}) if "single" in r and r["single"]["status"] == "ok"
+           else r for r in results]
+    meta32 = {"when": "2026-01-01", "transformers": "5", "torch": "2", "seconds": 9.0, "jobs": 1,
+              "engine": "real gloo processes, float32", "columns": ["pp2"]}
+    runs = [{"key": "pp2", "results": results, "meta": meta32},
+            {"key": "pp2", "results": f64, "meta": dict(meta32, engine="real gloo processes, float64")}]
+    text = sweep.render_layouts(runs)
+    assert "* **pp=2, float32**: equal 1, refused 1, wrong 0, error 1, timeout 0, crashed 0 (of 4 tried, 3 train" in text
+    assert "* **pp=2, float64**: equal 3, refused 0, wrong 0, error 0" in text
+    assert "| family | pp=2, float32 | pp=2, float64 | reason |" in text
+    assert "| a | equal (held 0.55) | equal |  |" in text
+    assert ("| b | refused | equal | pp=2, float32: pp=2 needs at least 2 transformer layers; the model has 1 |"
+            in text)
+    assert "| d | – | – | pp=2, float32: one device: ValueError: needs pixel_values |" in text
+    assert "| e |" not in text  # not run: listed in the section below, not here
+    doc = tmp_path / "supported.md"
+    for path, run in (("a.json", runs[0]), ("b.json", runs[1])):
+        (tmp_path / path).write_text(json.dumps({"results": run["results"], "meta": run["meta"]}))
+    sweep.main(["--render-layouts", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(doc)])
+    assert "<!-- BEGIN transformers-layouts (generated) -->\n## Pipeline stages and recompute" in doc.read_text()
+    # verify's own time limit on its processes is a timeout, not an error of sptransform
+    def slow_verify(model, **kwargs):
+        raise TimeoutError("the verification did not finish within timeout_s=600 s")
+
+    monkeypatch.setattr(sptransform, "verify", slow_verify)
+    got = sweep.run_verify(None, {}, tp=2, sp=True, processes=True, recompute="selective")
+    assert got["status"] == "timeout" and "timeout_s=600" in got["reason"]
+    assert sweep.outcome({"recompute": got}, "recompute")[0] == "timeout"
+    # one family a sweep, merged into one run
+    for r in results[:2]:
+        (tmp_path / f"{r['model_type']}.json").write_text(json.dumps({"results": [r], "meta": meta32}))
+    merged = tmp_path / "merged.json"
+    sweep.main(["--merge-json", str(merged), str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    saved = json.loads(merged.read_text())
+    assert [r["model_type"] for r in saved["results"]] == ["a", "b"] and saved["meta"]["seconds"] == 18.0
+    assert saved["totals"]["pp2"] == {"equal": 1, "refused": 1}
+    with pytest.raises(SystemExit, match="a in several"):
+        sweep.main(["--merge-json", str(merged), str(tmp_path / "a.json"), str(tmp_path / "a.json")])
+
+
 # -- slow: the script on a subset --------------------------------------------------------------------
 
 EQUAL = "equal"
