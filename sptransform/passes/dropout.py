@@ -11,6 +11,11 @@ every rank when ranks are seeded alike. ``reference``: every rank draws the full
 mask exactly as the single-device model would and keeps its slice, so the parallel
 model's masks equal the original's bit for bit (at tp times the RNG work).
 Reads ``sptransform_spec`` and the original ``val`` (global shape and strides).
+
+``native_dropout`` (what ``dropout`` becomes when capture functionalizes the graph, e.g. for a
+forward with in-place writes through views) gets the same treatment, keeping its
+``(output, mask)`` result: left as is, it would draw on the rank's shard from the default
+generator, neither the single device's mask nor independent ones.
 """
 
 from __future__ import annotations
@@ -20,9 +25,14 @@ from typing import Literal
 import torch
 import torch.fx as fx
 
-from sptransform.runtime.ops import independent_dropout, reference_dropout
+from sptransform.runtime.ops import (
+    independent_dropout,
+    independent_native_dropout,
+    reference_dropout,
+    reference_native_dropout,
+)
 from sptransform.graph.plan import ParallelPlan
-from sptransform.graph.sharding import describe, packet
+from sptransform.graph.sharding import DimShard, describe, packet
 from sptransform.passes.localize import index_table
 
 aten = torch.ops.aten
@@ -33,30 +43,42 @@ def shard_dropout(
 ) -> fx.GraphModule:
     changed = False
     for node in list(gm.graph.nodes):
-        spec = node.meta.get("sptransform_spec")
-        if spec is None:
-            continue
-        if packet(node) is aten.scaled_dot_product_attention:
+        kind = packet(node)
+        if kind is aten.scaled_dot_product_attention:
             p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
-            if p:
+            if p and node.meta.get("sptransform_spec") is not None:
                 _fused_dropout(node, mode, plan)
             continue
-        if packet(node) is not aten.dropout:
+        if kind is not aten.dropout and kind is not aten.native_dropout:
             continue
-        x, p, train = node.args
+        native = kind is aten.native_dropout
+        x, p, train = _arguments(node)
+        # native_dropout's (out, mask) result carries no spec of its own: its input's split is its split
+        spec = x.meta.get("sptransform_spec") if native else node.meta.get("sptransform_spec")
+        if not isinstance(spec, DimShard):
+            continue  # a replicated input: ATen's dropout, the same mask on every rank
         if mode == "reference":
             val = x.meta["val"]
             table = index_table(gm, x, spec, plan.tp)
-            node.target = reference_dropout
+            node.target = reference_native_dropout if native else reference_dropout
             node.args = (x, p, train, spec.dim, table, plan.rank, list(val.shape), list(val.stride()))
         else:
-            node.target = independent_dropout
+            node.target = independent_native_dropout if native else independent_dropout
             node.args = (x, p, train, generators)
+        node.kwargs = {}
         changed = True
     if changed:
         gm.graph.lint()
         gm.recompile()
     return gm
+
+
+def _arguments(node: fx.Node) -> tuple:
+    """(input, p, train) of ``dropout(input, p, train)`` or ``native_dropout(input, p, train=None)``,
+    whether passed by position or by name."""
+    names = ("input", "p", "train")
+    values = list(node.args) + [node.kwargs.get(n) for n in names[len(node.args):]]
+    return tuple(values)
 
 
 def _fused_dropout(node: fx.Node, mode: str, plan: ParallelPlan) -> None:
