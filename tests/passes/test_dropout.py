@@ -57,3 +57,57 @@ def test_replicated_activations_get_the_same_mask_on_every_rank_without_sp():
     # the embedding and residual dropouts act on replicated data: a mask differing between
     # ranks would make the ranks' residual streams, and so their losses, differ
     assert len({float(x) for x in losses}) == 1
+
+
+class ShiftedLM(TinyLM):
+    """TinyLM that first shifts its ids right in place through a view, as BART-family models'
+    ``shift_tokens_right`` does: capture then functionalizes the graph, and every ``dropout`` in
+    it becomes ``aten.native_dropout``."""
+
+    def forward(self, ids, targets):
+        shifted = ids.clone()
+        shifted[:, 1:] = ids[:, :-1].clone()
+        shifted[:, 0] = 0
+        return super().forward(shifted, targets)
+
+
+def _dropouts_of(mode: str, sp: bool) -> list:
+    from simulate import fake_group
+
+    torch.manual_seed(0)
+    with fake_group(2):
+        pm = sptransform.parallelize(ShiftedLM(CONFIG), tp=2, sp=sp, example_inputs=_data(), dropout_rng=mode)
+    return [n for n in pm._last.gm.graph.nodes if n.op == "call_function" and "dropout" in str(n.target)]
+
+
+def test_native_dropout_of_a_functionalized_graph_is_sharded_like_dropout():
+    """Before: native_dropout was left as is and drew each rank's mask on its shard from the default
+    generator (not the single device's mask; on real ranks, the same pattern on every shard)."""
+    from sptransform.runtime.ops import independent_native_dropout, reference_native_dropout
+
+    for mode, local in (("independent", independent_native_dropout), ("reference", reference_native_dropout)):
+        nodes = _dropouts_of(mode, sp=True)  # every dropout input is split along the sequence
+        assert nodes and all(n.target is local for n in nodes), (mode, [n.format_node() for n in nodes])
+
+
+def test_train_mode_verify_of_a_functionalized_graph_with_dropout_is_equal_with_sp():
+    """verify draws the single device's masks ("reference"): before, 0.5-ish off with sp=True."""
+    torch.manual_seed(0)
+    model = ShiftedLM(CONFIG).double().train()
+    ids = _data()[0]
+    for sp in (True, False):
+        report = sptransform.verify(model, tp=2, sp=sp, example_inputs=(ids, ids.clone()), processes=False)
+        assert report.status == "equal" and report.worst < 1e-10, (sp, str(report))
+
+
+def test_native_dropout_mask_output_and_eval():
+    from sptransform.runtime.ops import RankGenerators, independent_native_dropout
+
+    gens = RankGenerators(3, 1, 0)
+    x = torch.arange(1.0, 65.0)
+    out, mask = independent_native_dropout(x, 0.5, None, gens.key)  # train=None: training, as in ATen
+    assert mask.dtype is torch.bool and torch.equal(out, torch.where(mask, x * 2, 0.0))
+    out, mask = independent_native_dropout(x, 0.5, False, gens.key)
+    assert torch.equal(out, x) and bool(mask.all())
+    out, mask = independent_native_dropout(x, 1.0, True, gens.key)
+    assert not bool(out.any()) and not bool(mask.any()) and not out.isnan().any()
