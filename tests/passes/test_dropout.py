@@ -3,7 +3,9 @@ for replicated ones, reproducible for a seed; "reference" equals single device."
 
 from __future__ import annotations
 
+import pytest
 import torch
+import torch.nn.functional as F
 
 import sptransform
 from sptransform.torch_internals import maybe_disable_local_tensor_mode
@@ -111,3 +113,27 @@ def test_native_dropout_mask_output_and_eval():
     assert torch.equal(out, x) and bool(mask.all())
     out, mask = independent_native_dropout(x, 1.0, True, gens.key)
     assert not bool(out.any()) and not bool(mask.any()) and not out.isnan().any()
+
+
+class DeadDropoutLM(ShiftedLM):
+    """ShiftedLM whose forward also drops out a tensor no output reads (as PEGASUS-X's last layer
+    does its global tokens): functionalization erases that draw, the single device does not."""
+
+    def forward(self, ids, targets):
+        F.dropout(self.tok(ids), 0.5, self.training)  # dead
+        return super().forward(ids, targets)
+
+
+def test_a_draw_functionalization_erased_is_refused_in_reference_mode_not_silently_shifted():
+    from simulate import fake_group
+
+    torch.manual_seed(0)
+    with fake_group(2):
+        with pytest.raises(ValueError, match="no output reads.*dropout_rng='reference' cannot reproduce"):
+            sptransform.parallelize(DeadDropoutLM(CONFIG).train(), tp=2, sp=True, example_inputs=_data(),
+                                    dropout_rng="reference")
+        sptransform.parallelize(DeadDropoutLM(CONFIG).train(), tp=2, sp=True, example_inputs=_data())  # independent
+    report = sptransform.verify(DeadDropoutLM(CONFIG).double().train(), tp=2, sp=True,
+                                example_inputs=(_data()[0], _data()[0]), processes=False)
+    assert report.status == "equal", str(report)
+    assert any("eval() mode" in note and "no output reads" in note for note in report.notes), report.notes
