@@ -43,7 +43,8 @@ class CapturedGraph:
     lost_draws: int = 0
     """Random draws (dropout, ...) of the forward that functionalization erased because no output
     reads them: the single device still draws them, so every later draw of the graph comes
-    from another point of the generator's stream (``dropout_rng='reference'`` refuses)."""
+    from another point of the generator's stream (``dropout_rng='reference'`` refuses). 0 where
+    the graph draws nothing else (an eval() graph: erased draws shift nothing)."""
 
     @property
     def state_placeholders(self) -> list[fx.Node]:
@@ -292,7 +293,9 @@ def _capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph
         draws = random_draws(ep.graph_module)
         with disable_current_modes():  # a disabled LocalTensorMode still on the stack breaks functionalization
             ep = ep.run_decompositions({})
-        lost_draws = max(0, draws - random_draws(ep.graph_module))
+        left = random_draws(ep.graph_module)
+        # erased draws matter only where a draw is left to come from a shifted point of the stream
+        lost_draws = max(0, draws - left) if left else 0
         views_as_reshapes(ep.graph_module)
         _refuse_hidden_writes(ep.graph_module)
     _drop_export_asserts(ep.graph_module)
