@@ -137,3 +137,21 @@ def test_a_draw_functionalization_erased_is_refused_in_reference_mode_not_silent
                                 example_inputs=(_data()[0], _data()[0]), processes=False)
     assert report.status == "equal", str(report)
     assert any("eval() mode" in note and "no output reads" in note for note in report.notes), report.notes
+
+
+@pytest.mark.slow
+def test_mbart_trains_equal_with_sp_and_dropout():
+    """The sweep's case: MBart (labels -> shift_tokens_right writes in place -> functionalized graph,
+    dropouts as native_dropout), 1 + 1 layers, float64, train(), tp=2, sp=True. Before: 1.4 off."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MBartConfig(
+        vocab_size=128, d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=8,
+        decoder_attention_heads=8, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64,
+        dropout=0.1, attention_dropout=0.0, activation_dropout=0.1, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.MBartForConditionalGeneration._from_config(config, attn_implementation="sdpa")
+    ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    report = sptransform.verify(model.double().train(), tp=2, sp=True, example_inputs=((), {"input_ids": ids, "labels": ids}),
+                                processes=False)
+    assert report.status == "equal" and report.worst < 1e-10, str(report)
+    assert any(note.startswith("compared in train() mode") for note in report.notes), report.notes
