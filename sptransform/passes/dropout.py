@@ -50,6 +50,8 @@ def shard_dropout(
                 _fused_dropout(node, mode, plan)
             continue
         if kind is not aten.dropout and kind is not aten.native_dropout:
+            if _draws_over_a_split(node):
+                _other_random(node, mode, plan)
             continue
         native = kind is aten.native_dropout
         x, p, train = _arguments(node)
@@ -79,6 +81,29 @@ def _arguments(node: fx.Node) -> tuple:
     names = ("input", "p", "train")
     values = list(node.args) + [node.kwargs.get(n) for n in names[len(node.args):]]
     return tuple(values)
+
+
+def _draws_over_a_split(node: fx.Node) -> bool:
+    """A random op (``rand_like``, ``bernoulli``, ...) whose result or input is split over the ranks."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    if torch.Tag.nondeterministic_seeded not in target.tags:
+        return False
+    return any(isinstance(n.meta.get("sptransform_spec"), DimShard) for n in (node, *node.all_input_nodes))
+
+
+def _other_random(node: fx.Node, mode: str, plan: ParallelPlan) -> None:
+    if mode == "reference":
+        raise ValueError(
+            f"{describe(node)} draws random numbers over an activation split across the ranks; sptransform "
+            "reproduces only dropout's masks bit for bit: use dropout_rng='independent', or nn.Dropout / "
+            "F.dropout for the mask"
+        )
+    plan.notes.append(
+        f"{node.name}: a random draw over a split activation comes from the default generator, so the "
+        "shards get the same random pattern on every rank"
+    )
 
 
 def _fused_dropout(node: fx.Node, mode: str, plan: ParallelPlan) -> None:

@@ -155,3 +155,29 @@ def test_mbart_trains_equal_with_sp_and_dropout():
                                 processes=False)
     assert report.status == "equal" and report.worst < 1e-10, str(report)
     assert any(note.startswith("compared in train() mode") for note in report.notes), report.notes
+
+
+class HandMaskLM(TinyLM):
+    """TinyLM dropping its embeddings with a hand-made mask (``rand_like(x) > p``), not F.dropout."""
+
+    def forward(self, ids, targets):
+        x = self.tok(ids)
+        x = x * (torch.rand_like(x) > 0.5) * 2.0 if self.training else x
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def test_another_random_draw_over_a_split_activation_is_refused_in_reference_mode():
+    """Only dropout's masks are reproduced: rand_like over a sequence-split activation drew each
+    rank's part from the default generator (neither the single device's nor independent)."""
+    from simulate import fake_group
+
+    torch.manual_seed(0)
+    with fake_group(2):
+        with pytest.raises(ValueError, match="draws random numbers over an activation split"):
+            sptransform.parallelize(HandMaskLM(CONFIG).train(), tp=2, sp=True, example_inputs=_data(),
+                                    dropout_rng="reference")
+        pm = sptransform.parallelize(HandMaskLM(CONFIG).train(), tp=2, sp=True, example_inputs=_data())
+    assert any("random draw over a split activation" in note for note in pm.plan.notes), pm.plan.notes
