@@ -44,9 +44,9 @@ def shard_dropout(
     changed = False
     for node in list(gm.graph.nodes):
         kind = packet(node)
-        if kind is aten.scaled_dot_product_attention:
-            p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
-            if p and node.meta.get("sptransform_spec") is not None:
+        fused = _fused_dropout_p(node)  # scaled_dot_product_attention and its kernels
+        if fused is not None:
+            if fused and node.meta.get("sptransform_spec") is not None:
                 _fused_dropout(node, mode, plan)
             continue
         if kind is not aten.dropout and kind is not aten.native_dropout:
@@ -81,6 +81,19 @@ def _arguments(node: fx.Node) -> tuple:
     names = ("input", "p", "train")
     values = list(node.args) + [node.kwargs.get(n) for n in names[len(node.args):]]
     return tuple(values)
+
+
+def _fused_dropout_p(node: fx.Node) -> float | None:
+    """The ``dropout_p`` of an op that takes one (an attention kernel), else None."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    if schema is None:
+        return None
+    for i, argument in enumerate(schema.arguments):
+        if argument.name == "dropout_p":
+            if i < len(node.args):
+                return node.args[i]
+            return node.kwargs.get("dropout_p", argument.default_value or 0.0)
+    return None
 
 
 def _draws_over_a_split(node: fx.Node) -> bool:
