@@ -16,6 +16,12 @@ Reads ``sptransform_spec`` and the original ``val`` (global shape and strides).
 forward with in-place writes through views) gets the same treatment, keeping its
 ``(output, mask)`` result: left as is, it would draw on the rank's shard from the default
 generator, neither the single device's mask nor independent ones.
+
+Other random ops over a split activation (``rand_like``, ``bernoulli``, ...) are refused in
+``reference`` mode (only dropout's masks are reproduced) and noted in ``independent`` mode
+(drawn from the default generator: the same pattern on every rank's shard). Attention kernels
+(``scaled_dot_product_attention`` and its ``_scaled_dot_product_*`` kernels) are found by their
+``dropout_p`` argument.
 """
 
 from __future__ import annotations
