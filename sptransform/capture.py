@@ -40,6 +40,11 @@ class CapturedGraph:
     in_spec: pytree.TreeSpec
     out_spec: pytree.TreeSpec
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    lost_draws: int = 0
+    """Random draws (dropout, ...) of the forward that functionalization erased because no output
+    reads them: the single device still draws them, so every later draw of the graph comes
+    from another point of the generator's stream (``dropout_rng='reference'`` refuses). 0 where
+    the graph draws nothing else (an eval() graph: erased draws shift nothing)."""
 
     @property
     def state_placeholders(self) -> list[fx.Node]:
@@ -280,12 +285,17 @@ def _capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph
         )
     _refuse_data_dependent_shapes(ep.graph_module)
     _refuse_custom_autograd_functions(template, fake_args, fake_kwargs)
+    lost_draws = 0
     if _hidden_writes(ep.graph_module):
         # In-place writes read through another alias: functionalize (no decompositions), so
         # that every read of a written value is an edge of the graph (``copy_`` into a slice of a
         # buffer becomes ``slice_scatter``, and later readers read its result).
+        draws = random_draws(ep.graph_module)
         with disable_current_modes():  # a disabled LocalTensorMode still on the stack breaks functionalization
             ep = ep.run_decompositions({})
+        left = random_draws(ep.graph_module)
+        # erased draws matter only where a draw is left to come from a shifted point of the stream
+        lost_draws = max(0, draws - left) if left else 0
         views_as_reshapes(ep.graph_module)
         _refuse_hidden_writes(ep.graph_module)
     _drop_export_asserts(ep.graph_module)
@@ -299,7 +309,26 @@ def _capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph
         in_spec=ep.call_spec.in_spec,
         out_spec=ep.call_spec.out_spec,
         constants=constants,
+        lost_draws=lost_draws,
     )
+
+
+def random_draws(gm: fx.GraphModule) -> int:
+    """How many ops of ``gm`` draw from a random generator: ``dropout`` / ``native_dropout`` that
+    train with p > 0, and every other ``nondeterministic_seeded`` op (``rand``, ``bernoulli``, ...)."""
+    count = 0
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        if torch.Tag.nondeterministic_seeded not in target.tags:
+            continue
+        if target.overloadpacket in (torch.ops.aten.dropout, torch.ops.aten.native_dropout):
+            args = list(node.args) + [node.kwargs.get(k) for k in ("input", "p", "train")[len(node.args):]]
+            if not args[1] or args[2] is False:
+                continue
+        count += 1
+    return count
 
 
 class InputsRejected(ValueError):

@@ -295,8 +295,9 @@ def verify(
         if run.refused:
             return VerifyReport(status="refused", worst=math.nan, error=run.refused, notes=notes, **fields)
         if run.evaluated:
-            notes.append("parallelize refuses dropout_rng='reference' in train() mode (dropout inside a fused "
-                         "attention kernel); compared in eval() mode (dropout off) instead")
+            because = f" ({run.evaluated_because})" if run.evaluated_because else ""
+            notes.append(f"parallelize refuses dropout_rng='reference' in train() mode{because}; compared in "
+                         "eval() mode (dropout off) instead")
             ref, loss_name = run_reference(faithful_deepcopy(model).eval(), args, kwargs, steps, dp=dp)
         elif model.training:
             notes.append("compared in train() mode; dropout masks, if any, are the single-device model's "

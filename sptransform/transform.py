@@ -139,6 +139,14 @@ def build_parallel_graph(
     layer_rows = [(r.row.node, r.layer) for r in analysis.regions]
     _logged("tensor_parallel", gm, lambda: apply_placements(gm, propagation, gradients, plan, params=params,
                                                            layer_rows=layer_rows))
+    if options.dropout_rng == "reference" and captured.lost_draws:
+        raise ValueError(
+            f"the forward draws {captured.lost_draws} dropout mask(s) (or other random tensors) that no output "
+            "reads, and capture, which had to functionalize the graph (in-place writes through views), erased "
+            "them: every later dropout of the parallel model would draw from another point of the random "
+            "stream than the single device's, so dropout_rng='reference' cannot reproduce its masks. Use "
+            "dropout_rng='independent' (every rank still draws the same replicated masks), or compare in eval()"
+        )
     _logged("dropout", gm, lambda: shard_dropout(gm, plan, mode=options.dropout_rng, generators=generators))
     graph = ParallelGraph(captured, analysis, plan)
     if options.dp > 1:

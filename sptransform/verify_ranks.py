@@ -111,7 +111,9 @@ class ParallelRun:
     """``parallelize``'s ValueError/TypeError (or the first forward's, where capture happens)."""
     evaluated: bool = False
     """``parallelize`` refused reference-mode dropout in train() mode (dropout inside a fused
-    attention kernel), so the case ran in eval() mode; the reference must too."""
+    attention kernel, dropout masks capture erased), so the case ran in eval() mode; the reference must too."""
+    evaluated_because: str = ""
+    """That refusal's message."""
 
 
 class _Refused(Exception):
@@ -252,13 +254,14 @@ def _parallel_run(case: ParallelCase, model: nn.Module) -> ParallelRun:
     try:
         return ParallelRun(*_train(case, model))
     except _Refused as refusal:
-        if not (case.pp == 1 and case.model.training and "dropout" in str(refusal)):
-            return ParallelRun(refused=str(refusal))
+        because = str(refusal)
+        if not (case.pp == 1 and case.model.training and "dropout" in because):
+            return ParallelRun(refused=because)
     evaluated = _copy_of(case).eval()
     try:
-        return ParallelRun(*_train(case, evaluated), evaluated=True)
+        return ParallelRun(*_train(case, evaluated), evaluated=True, evaluated_because=because)
     except _Refused as refusal:
-        return ParallelRun(refused=str(refusal), evaluated=True)
+        return ParallelRun(refused=str(refusal), evaluated=True, evaluated_because=because)
 
 
 def _train(case: ParallelCase, model: nn.Module) -> tuple[Record, str | None]:
@@ -445,6 +448,7 @@ def _merge(per_rank: list, count: int) -> list[ParallelRun]:
             run = runs[i]
             out.refused = out.refused or run.refused
             out.evaluated = out.evaluated or run.evaluated
+            out.evaluated_because = out.evaluated_because or run.evaluated_because
             if run.error:
                 out.error = "; ".join(filter(None, [out.error, f"rank {rank}: {run.error}"]))
             _merge_record(out.record, run.record)

@@ -11,6 +11,17 @@ every rank when ranks are seeded alike. ``reference``: every rank draws the full
 mask exactly as the single-device model would and keeps its slice, so the parallel
 model's masks equal the original's bit for bit (at tp times the RNG work).
 Reads ``sptransform_spec`` and the original ``val`` (global shape and strides).
+
+``native_dropout`` (what ``dropout`` becomes when capture functionalizes the graph, e.g. for a
+forward with in-place writes through views) gets the same treatment, keeping its
+``(output, mask)`` result: left as is, it would draw on the rank's shard from the default
+generator, neither the single device's mask nor independent ones.
+
+Other random ops over a split activation (``rand_like``, ``bernoulli``, ...) are refused in
+``reference`` mode (only dropout's masks are reproduced) and noted in ``independent`` mode
+(drawn from the default generator: the same pattern on every rank's shard). Attention kernels
+(``scaled_dot_product_attention`` and its ``_scaled_dot_product_*`` kernels) are found by their
+``dropout_p`` argument.
 """
 
 from __future__ import annotations
@@ -20,9 +31,14 @@ from typing import Literal
 import torch
 import torch.fx as fx
 
-from sptransform.runtime.ops import independent_dropout, reference_dropout
+from sptransform.runtime.ops import (
+    independent_dropout,
+    independent_native_dropout,
+    reference_dropout,
+    reference_native_dropout,
+)
 from sptransform.graph.plan import ParallelPlan
-from sptransform.graph.sharding import describe, packet
+from sptransform.graph.sharding import DimShard, describe, packet
 from sptransform.passes.localize import index_table
 
 aten = torch.ops.aten
@@ -33,30 +49,80 @@ def shard_dropout(
 ) -> fx.GraphModule:
     changed = False
     for node in list(gm.graph.nodes):
-        spec = node.meta.get("sptransform_spec")
-        if spec is None:
-            continue
-        if packet(node) is aten.scaled_dot_product_attention:
-            p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
-            if p:
+        kind = packet(node)
+        fused = _fused_dropout_p(node)  # scaled_dot_product_attention and its kernels
+        if fused is not None:
+            if fused and node.meta.get("sptransform_spec") is not None:
                 _fused_dropout(node, mode, plan)
             continue
-        if packet(node) is not aten.dropout:
+        if kind is not aten.dropout and kind is not aten.native_dropout:
+            if _draws_over_a_split(node):
+                _other_random(node, mode, plan)
             continue
-        x, p, train = node.args
+        native = kind is aten.native_dropout
+        x, p, train = _arguments(node)
+        # native_dropout's (out, mask) result carries no spec of its own: its input's split is its split
+        spec = x.meta.get("sptransform_spec") if native else node.meta.get("sptransform_spec")
+        if not isinstance(spec, DimShard):
+            continue  # a replicated input: ATen's dropout, the same mask on every rank
         if mode == "reference":
             val = x.meta["val"]
             table = index_table(gm, x, spec, plan.tp)
-            node.target = reference_dropout
+            node.target = reference_native_dropout if native else reference_dropout
             node.args = (x, p, train, spec.dim, table, plan.rank, list(val.shape), list(val.stride()))
         else:
-            node.target = independent_dropout
+            node.target = independent_native_dropout if native else independent_dropout
             node.args = (x, p, train, generators)
+        node.kwargs = {}
         changed = True
     if changed:
         gm.graph.lint()
         gm.recompile()
     return gm
+
+
+def _arguments(node: fx.Node) -> tuple:
+    """(input, p, train) of ``dropout(input, p, train)`` or ``native_dropout(input, p, train=None)``,
+    whether passed by position or by name."""
+    names = ("input", "p", "train")
+    values = list(node.args) + [node.kwargs.get(n) for n in names[len(node.args):]]
+    return tuple(values)
+
+
+def _fused_dropout_p(node: fx.Node) -> float | None:
+    """The ``dropout_p`` of an op that takes one (an attention kernel), else None."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    if schema is None:
+        return None
+    for i, argument in enumerate(schema.arguments):
+        if argument.name == "dropout_p":
+            if i < len(node.args):
+                return node.args[i]
+            return node.kwargs.get("dropout_p", argument.default_value or 0.0)
+    return None
+
+
+def _draws_over_a_split(node: fx.Node) -> bool:
+    """A random op (``rand_like``, ``bernoulli``, ...) whose result or input is split over the ranks."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    if torch.Tag.nondeterministic_seeded not in target.tags:
+        return False
+    return any(isinstance(n.meta.get("sptransform_spec"), DimShard) for n in (node, *node.all_input_nodes))
+
+
+def _other_random(node: fx.Node, mode: str, plan: ParallelPlan) -> None:
+    if mode == "reference":
+        raise ValueError(
+            f"{describe(node)} draws random numbers over an activation split across the ranks; sptransform "
+            "reproduces only dropout's masks bit for bit: use dropout_rng='independent', or nn.Dropout / "
+            "F.dropout for the mask"
+        )
+    plan.notes.append(
+        f"{node.name}: a random draw over a split activation comes from the default generator, so the "
+        "shards get the same random pattern on every rank"
+    )
 
 
 def _fused_dropout(node: fx.Node, mode: str, plan: ParallelPlan) -> None:

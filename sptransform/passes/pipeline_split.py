@@ -43,7 +43,12 @@ from sptransform.graph.analysis import ModelAnalysis
 from sptransform.graph.blocks import ResidualBlock, describe_layers, find_residual_blocks, group_layers
 from sptransform.graph.cost import node_cost
 from sptransform.capture import CapturedGraph
-from sptransform.runtime.ops import independent_dropout, reference_dropout
+from sptransform.runtime.ops import (
+    independent_dropout,
+    independent_native_dropout,
+    reference_dropout,
+    reference_native_dropout,
+)
 
 from sptransform.torch_internals import OpOverload
 
@@ -455,7 +460,7 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
 
 def _is_random(node: fx.Node) -> bool:
     target = node.target
-    if target in (independent_dropout, reference_dropout):
+    if target in (independent_dropout, reference_dropout, independent_native_dropout, reference_native_dropout):
         return True
     if isinstance(target, OpOverload):
         return target.overloadpacket in _RANDOM_PACKETS or torch.Tag.nondeterministic_seeded in target.tags

@@ -164,10 +164,34 @@ def reference_dropout(
     default generator, then keep this rank's slice."""
     if not train or p == 0:
         return x
+    return x * _reference_noise(x, p, dim, table, rank, full_shape, full_stride)
+
+
+def _reference_noise(x, p, dim, table, rank, full_shape, full_stride) -> torch.Tensor:
     noise = torch.empty_strided(full_shape, full_stride, dtype=x.dtype, device=x.device)
     noise.bernoulli_(1 - p)
-    noise.div_(1 - p)
-    return x * noise.index_select(dim, _row(table, rank))
+    if p < 1:  # p == 1: zeros, as ATen (no 0 / 0)
+        noise.div_(1 - p)
+    return noise.index_select(dim, _row(table, rank))
+
+
+def reference_native_dropout(
+    x: torch.Tensor,
+    p: float,
+    train: bool | None,
+    dim: int,
+    table: torch.Tensor,
+    rank: torch.Tensor,
+    full_shape: list[int],
+    full_stride: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference_dropout`` for ``aten.native_dropout`` (what ``dropout`` becomes when the captured
+    graph is functionalized): the same mask draw, and ``native_dropout``'s ``(output, bool mask)``.
+    ``train=None`` means training, as in ATen."""
+    if train is False or p == 0:
+        return x.clone(), torch.ones_like(x, dtype=torch.bool)
+    noise = _reference_noise(x, p, dim, table, rank, full_shape, full_stride)
+    return x * noise, noise != 0
 
 
 def independent_dropout(x: torch.Tensor, p: float, train: bool, generators: int) -> torch.Tensor:
@@ -176,14 +200,29 @@ def independent_dropout(x: torch.Tensor, p: float, train: bool, generators: int)
     registry entry, so the graph holds no reference that would keep the module's state alive."""
     if not train or p == 0:
         return x
+    return x * _independent_noise(x, p, generators)
+
+
+def independent_native_dropout(
+    x: torch.Tensor, p: float, train: bool | None, generators: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``independent_dropout`` for ``aten.native_dropout``: ``(output, bool mask)``; ``train=None``
+    means training, as in ATen."""
+    if train is False or p == 0:
+        return x.clone(), torch.ones_like(x, dtype=torch.bool)
+    noise = _independent_noise(x, p, generators)
+    return x * noise, noise != 0
+
+
+def _independent_noise(x: torch.Tensor, p: float, generators: int) -> torch.Tensor:
     gens = generators_of(generators)
     mode = local_tensor_mode()
 
     def draw(r: int, t: torch.Tensor) -> torch.Tensor:
         keep = torch.empty(t.shape, dtype=t.dtype, device=t.device)
         keep.bernoulli_(1 - p, generator=gens.get(r, t.device))
-        return keep.div_(1 - p)
+        return keep if p == 1 else keep.div_(1 - p)  # p == 1: zeros, as ATen (no 0 / 0)
 
     if mode is not None:
-        return x * tensor_map(x, draw)
-    return x * draw(gens.rank if gens.rank is not None else dist.get_rank(), x)
+        return tensor_map(x, draw)
+    return draw(gens.rank if gens.rank is not None else dist.get_rank(), x)
