@@ -19,7 +19,7 @@ CHOICES: dict[str, tuple] = {
     "vocab": (32, 37, 64),  # 37: not divisible by tp (vocabulary padding)
     "head_dim": (4, 8),
     "heads": (2, 4),
-    "layers": (1, 2),
+    "layers": (1, 1, 2),  # a second layer doubles the cost and seldom adds a code path: 1 in 3
     "seq": (8, 16),
     "memory": (6, 12),  # encoder-decoder: the memory's length, != the query's
     "embed": ("embedding", "functional", "scaled"),
