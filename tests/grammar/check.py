@@ -5,8 +5,8 @@ message. Anything else, a difference or another exception, fails.
 Tolerances (``verify``'s relative error, against the largest value of each kind): float64 1e-9
 (rounding of a different summation order is ~1e-15); float32 1e-4; bfloat16 1e-1: its 8-bit
 mantissa rounds each sum taken in another order by ~4e-3 of its value, and a gradient goes through
-dozens of them (3.2e-2 and 4.7e-2 were measured on QK-norm weights' gradients; the same model in
-float64 is equal within 1.1e-15), so
+dozens of them (3.2e-2 and 4.7e-2 were measured on QK-norm weights' gradients of two models; the same models in
+float64 are equal within 1.3e-15), so
 bfloat16 examples catch structural errors (a gradient halved or missing a rank's part, errors of
 order 1), not rounding; float32 and float64 examples catch the rest."""
 
