@@ -8,7 +8,9 @@ mantissa rounds each sum taken in another order by ~4e-3 of its value, and a gra
 dozens of them (3.2e-2 and 4.7e-2 were measured on QK-norm weights' gradients of two models; the same models in
 float64 are equal within 1.3e-15), so
 bfloat16 examples catch structural errors (a gradient halved or missing a rank's part, errors of
-order 1), not rounding; float32 and float64 examples catch the rest."""
+order 1), not rounding; float32 and float64 examples catch the rest. A float64 model whose norm
+computes in float32 (``rms_float32``: ``x.float()``, then back) rounds to float32 there and is
+judged at float32's tolerance (found on real ranks: 1.5e-7 with it, 5.1e-16 with a float64 norm)."""
 
 from __future__ import annotations
 
@@ -20,10 +22,17 @@ from .model import build
 RTOL = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 1e-1}
 
 
+def rtol(c: Config) -> float:
+    """The tolerance of the lowest precision the model computes in."""
+    if c.dtype == "float64" and c.norm == "rms_float32":
+        return RTOL["float32"]
+    return RTOL[c.dtype]
+
+
 def verify(c: Config, layout: Layout, *, processes: bool | None = False):
     model, inputs = build(c)
     return sptransform.verify(model, tp=layout.tp, sp=layout.sp, pp=layout.pp, dp=layout.dp,
-                              example_inputs=inputs, rtol=RTOL[c.dtype], processes=processes)
+                              example_inputs=inputs, rtol=rtol(c), processes=processes)
 
 
 def assert_equal_or_refused(report, c: Config, layout: Layout) -> None:
@@ -60,7 +69,7 @@ def recompute_check(c: Config, layout: Layout) -> tuple[str, str]:
     except (ValueError, TypeError) as refusal:
         return "refused", str(refusal)
     (out if out.dim() == 0 else out.sum()).backward()
-    rtol, worst, where = RTOL[c.dtype], rel_error(full(out), ref_out, _scale([ref_out])), "output"
+    tolerance, worst, where = rtol(c), rel_error(full(out), ref_out, _scale([ref_out])), "output"
     ref_params = dict(ref.named_parameters())
     grads = {n: full(p.grad) for n, p in pm.named_parameters() if p.grad is not None}
     scale = _scale([p.grad for p in ref_params.values()])
@@ -73,4 +82,4 @@ def recompute_check(c: Config, layout: Layout) -> tuple[str, str]:
     for name, p in pm.named_parameters():
         e = rel_error(full(p.detach()), ref_params[name].detach(), scale)
         worst, where = max((worst, where), (e, f"param {name} after a step"))
-    return ("equal" if worst <= rtol else "different"), f"worst {worst:.1e} ({where})"
+    return ("equal" if worst <= tolerance else "different"), f"worst {worst:.1e} ({where})"

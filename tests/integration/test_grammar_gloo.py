@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from grammar.check import RTOL, recompute_check
+from grammar.check import recompute_check, rtol
 from grammar.config import Layout, replace, sample_configs
 from grammar.model import build
 from simulate import spawn_with_deadline
@@ -50,7 +50,7 @@ def check(config, layout) -> tuple[str, str]:
         return recompute_check(config, layout)
     model, inputs = build(config)
     report = sptransform.verify(model, tp=layout.tp, sp=layout.sp, pp=layout.pp, dp=layout.dp,
-                                example_inputs=inputs, rtol=RTOL[config.dtype])
+                                example_inputs=inputs, rtol=rtol(config))
     return report.status, report.error or f"worst {report.worst:.1e}"
 
 
