@@ -110,7 +110,8 @@ def configs(draw) -> Config:
 @st.composite
 def simulated_cases(draw) -> tuple[Config, Layout]:
     """A model and a tensor-parallel layout simulated ranks run (pp = dp = 1, no recompute)."""
-    return draw(configs()), Layout(tp=draw(st.sampled_from([1, 2, 4])), sp=draw(st.booleans()))
+    # tp=2 first: hypothesis draws (and shrinks to) the first choice most, and tp=1 only checks capture
+    return draw(configs()), Layout(tp=draw(st.sampled_from([2, 4, 1])), sp=draw(st.booleans()))
 
 
 def sample_configs(seed: int, n: int) -> list[Config]:
