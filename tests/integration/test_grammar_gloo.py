@@ -38,8 +38,9 @@ def cases() -> list:
     rng.shuffle(layouts)
     if INDUCTOR is not None:
         layouts[0] = INDUCTOR
-    # two pipeline stages need two layers (one layer is refused, saying so): pp draws get a second
-    return [(replace(config, layers=2) if layout.pp > 1 else config, layout)
+    # two pipeline stages need two layers and a loss computed inside forward (otherwise refused, saying
+    # so): pp draws get both
+    return [(replace(config, layers=2, loss="inside") if layout.pp > 1 else config, layout)
             for config, layout in zip(sample_configs(SEED, COUNT), layouts)]
 
 
