@@ -2,8 +2,8 @@
 ranks run (tp in {1, 2, 4}, SP on/off), equals one device (loss or logits, every gradient, every
 parameter after an SGD step) or is refused with a ValueError/TypeError and a message.
 
-Derandomized: every run draws the same examples. The fast lane draws ``FAST`` models (~3.5 s of CPU
-each, measured: a minute of CPU per ~17 models), the slow lane ``MORE`` others (another test
+Derandomized: every run draws the same examples. The fast lane draws ``FAST`` models (~4 s of CPU
+each, measured: 267 s of CPU for 62 on a loaded machine), the slow lane ``MORE`` others (another test
 function: hypothesis derandomizes per test, so they are different models), 200 per CI run. Every
 failure hypothesis ever shrank to stays as an ``@example`` of the fast lane (the real-rank lane is
 tests/integration/test_grammar_gloo.py)."""

@@ -77,7 +77,7 @@ def _worker(rank: int, world: int, port: int, folder: str) -> None:
 
 
 def test_generated_models_on_real_ranks_equal_one_device_or_are_refused(tmp_path):
-    # the deadline guards against a hang; on a loaded 2-core machine 24 examples took ~N s
+    # the deadline guards against a hang: 24 examples took 461 s on a 2-core machine at load ~12
     spawn_with_deadline(_worker, 2, 1200, str(tmp_path))
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert len(results[0]) == COUNT
