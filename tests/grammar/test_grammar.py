@@ -57,3 +57,18 @@ def check(config: Config, layout: Layout) -> None:
         with open(os.environ["GRAMMAR_LOG"], "a") as f:
             f.write(f"{report.status} tp={layout.tp} sp={layout.sp} cpu={time.process_time() - cpu:.2f} {config}\n")
     assert_equal_or_refused(report, config, layout)
+
+
+def test_every_spelling_builds_and_trains_on_one_device():
+    """Each choice of each part, in an otherwise default model, runs forward and backward (cheap: no
+    parallelize), so no spelling is dead code that the draws above only reach by chance."""
+    from grammar.config import CHOICES, replace
+    from grammar.model import build
+
+    torch.set_num_threads(1)
+    for name, options in CHOICES.items():
+        for option in options:
+            model, (args, kwargs) = build(replace(Config(arch="encdec"), **{name: option}))
+            out = model(*args, **kwargs)
+            (out if out.dim() == 0 else out.float().sum()).backward()
+            assert all(p.grad is not None for p in model.parameters()), (name, option)
