@@ -3,12 +3,12 @@ parameter after an SGD step) or ``parallelize`` refuses it with a ValueError/Typ
 message. Anything else, a difference or another exception, fails.
 
 Tolerances (``verify``'s relative error, against the largest value of each kind): float64 1e-9
-(rounding of a different summation order is ~1e-15); float32 1e-4; bfloat16 1e-1: its 8-bit
+(rounding of a different summation order is ~1e-15); float32 1e-4; bfloat16 3e-1: its 8-bit
 mantissa rounds each sum taken in another order by ~4e-3 of its value, and a gradient goes through
-dozens of them (3.2e-2 and 4.7e-2 were measured on QK-norm weights' gradients of two models; the same models in
-float64 are equal within 1.3e-15), so
-bfloat16 examples catch structural errors (a gradient halved or missing a rank's part, errors of
-order 1), not rounding; float32 and float64 examples catch the rest. A float64 model whose norm
+dozens of them: a norm weight's gradient reached 4.7e-2 at tp=2 and 1.2e-1 at tp=4 (a shared
+block's sandwich norm, 4 partial sums) on models equal within 1.0e-14 in float64. So bfloat16
+examples catch structural errors (a gradient halved or missing a rank's part: 5e-1 and more), not
+rounding; float32 and float64 examples catch the rest. A float64 model whose norm
 computes in float32 (``rms_float32``: ``x.float()``, then back) rounds to float32 there and is
 judged at float32's tolerance (found on real ranks: 1.5e-7 with it, 5.1e-16 with a float64 norm)."""
 
@@ -19,7 +19,7 @@ import sptransform
 from .config import Config, Layout
 from .model import build
 
-RTOL = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 1e-1}
+RTOL = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 3e-1}
 
 
 def rtol(c: Config) -> float:

@@ -38,6 +38,12 @@ SETTINGS = dict(derandomize=True, deadline=None, database=None,
                       head="tied_einsum", norm="rms_float32", residual="parallel", qkv="fused_split", kv="gqa_expand",
                       kernel="einsum", mask="tensor", bias=True, mlp="cast_weight", container="sequential",
                       seed=781), Layout(tp=2, sp=True)))
+# bfloat16 rounding of a shared block's sandwich-norm gradient over 4 ranks: 1.2e-1 (equal within
+# 1.0e-14 in float64): not a bug of sptransform, the grammar's bfloat16 tolerance (3e-1) for it
+@example(case=(Config(arch="encoder", dtype="bfloat16", vocab=64, layers=2, heads=2, qk_norm=True, embed="scaled",
+                      positions="rope_interleaved", head="tied_einsum", norm="rmsnorm", residual="sandwich",
+                      qkv="fused_split", kv="gqa_repeat_interleave", kernel="einsum", mlp="fused_gate_up",
+                      container="shared", seed=435), Layout(tp=4, sp=True)))
 def test_generated_models_equal_one_device_or_are_refused(case):
     check(*case)
 
