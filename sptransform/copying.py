@@ -12,7 +12,9 @@ tensors, or the program traced and the program compared differ from the one the 
 *after* the whole copy is made, to the copies of the objects they held (so a closure over a
 sibling module copied later is rebound as well); a cell holding anything the copy did not copy
 (a global config, a foreign module) keeps sharing it, exactly as ``copy.deepcopy`` would.
-Functions without a closure (plain module-level functions) stay shared.
+A cell holding a bound method of an object the copy copied (``weight_of = self.embedding_weight``)
+gets the method bound to the copy. Functions without a closure (plain module-level functions) stay
+shared.
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ def faithful_deepcopy(obj: Any, memo: dict[int, Any] | None = None) -> Any:
         result = copy.deepcopy(obj, memo)
     for cell, original in cells:
         copied = memo.get(id(original), original)
+        if copied is original and isinstance(original, types.MethodType) and id(original.__self__) in memo:
+            # a closure over a bound method (``weight_of = self.embedding_weight``): the method object
+            # itself was never copied (every attribute access makes a new one), but its object was
+            copied = types.MethodType(original.__func__, memo[id(original.__self__)])
         if copied is not original:
             cell.cell_contents = copied
     return result

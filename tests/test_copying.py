@@ -139,3 +139,35 @@ def test_a_partial_head_holding_the_weight_is_read_as_the_parameter():
     assert captured.constants == {} and captured.state_names.count("emb.weight") == 1
     (emb,) = [n for n, name in zip(captured.state_placeholders, captured.state_names) if name == "emb.weight"]
     assert len(emb.users) == 2
+
+
+class BoundMethodClosureHead(nn.Module):
+    """A closure over a bound method of the module (``weight_of = self.embedding_weight``): found by
+    the grammar of tests/grammar, whose copy kept calling the original's method."""
+
+    def __init__(self, vocab=32, dim=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        weight_of = self.embedding_weight
+
+        def to_logits(t):
+            return F.linear(t, weight_of())
+
+        self.to_logits = to_logits
+
+    def embedding_weight(self):
+        return self.emb.weight
+
+    def forward(self, ids):
+        return self.to_logits(self.emb(ids))
+
+
+def test_a_closure_over_a_bound_method_of_the_module_calls_the_copys_method():
+    model = BoundMethodClosureHead()
+    copied = faithful_deepcopy(model)
+    with torch.no_grad():
+        copied.emb.weight.mul_(2)
+    ids = torch.randint(0, 32, (2, 5))
+    torch.testing.assert_close(copied(ids), F.linear(copied.emb(ids), copied.emb.weight))
+    copied(ids).sum().backward()
+    assert model.emb.weight.grad is None and copied.emb.weight.grad is not None
