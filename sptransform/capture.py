@@ -25,7 +25,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from sptransform.copying import faithful_deepcopy
 from sptransform.torch_internals import (
-    FakeTensor, FakeTensorMode, StorageWeakRef, disable_current_modes, free_unbacked_symbols, maybe_disable_local_tensor_mode, pytree,
+    FakeTensor, FakeTensorMode, OpOverload, StorageWeakRef, disable_current_modes, free_unbacked_symbols, maybe_disable_local_tensor_mode, pytree,
     quiet_fake_tensor_meta_failures, tracing_limit_errors,
 )
 
@@ -319,7 +319,7 @@ def random_draws(gm: fx.GraphModule) -> int:
     count = 0
     for node in gm.graph.nodes:
         target = node.target
-        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        if node.op != "call_function" or not isinstance(target, OpOverload):
             continue
         if torch.Tag.nondeterministic_seeded not in target.tags:
             continue

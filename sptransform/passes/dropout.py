@@ -40,6 +40,7 @@ from sptransform.runtime.ops import (
 from sptransform.graph.plan import ParallelPlan
 from sptransform.graph.sharding import DimShard, describe, packet
 from sptransform.passes.localize import index_table
+from sptransform.torch_internals import OpOverload
 
 aten = torch.ops.aten
 
@@ -105,7 +106,7 @@ def _fused_dropout_p(node: fx.Node) -> float | None:
 def _draws_over_a_split(node: fx.Node) -> bool:
     """A random op (``rand_like``, ``bernoulli``, ...) whose result or input is split over the ranks."""
     target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(target, OpOverload):
         return False
     if torch.Tag.nondeterministic_seeded not in target.tags:
         return False
