@@ -313,7 +313,7 @@ def test_sweep_script_on_a_subset_matches_expectations(tmp_path):
     t = sweep.totals(saved["results"])
     text = out_md.read_text()
     assert f"* **tried: {len(SUBSET)}**" in text and f"**train on one device: {t['trains']}**" in text
-    for key, title in sweep.COLUMNS:
+    for key, title in [(k, title) for k, title in sweep.COLUMNS if k in sweep.Engine().columns]:  # the default run's
         counts = t[key]
         assert sum(counts.values()) == len(SUBSET)
         assert f"* **{title}**: equal {counts.get('equal', 0)}, refused {counts.get('refused', 0)}, " \
