@@ -1,35 +1,43 @@
-"""The driver: the one visible pass list, and the one AOTAutograd driver.
+"""The driver: the one visible pass list (``PASSES``), and the one AOTAutograd driver.
 
 Every path (``parallelize``'s module, its pipeline stages, ``sptransform memory``, the
-``sptransform`` torch.compile backend) runs the passes listed here, in this order:
+``sptransform`` torch.compile backend) captures the model (``capture.capture``: torch.export,
+fake parameters), then runs ``PASSES`` top to bottom (``build_parallel_graph``):
 
-    capture                      capture.capture                torch.export, fake parameters
-    canonicalize                 passes.canonicalize            dead code out, row biases split off
-    analyse                      graph.analysis                 linears, regions, head, loss -> seeds
-    propagate placements         graph.propagate                every node: replicated / split / partial
-    gradient reductions          graph.gradients                where gradients arrive partial
-    tensor + sequence parallel   passes.tensor_parallel         local shapes, collectives, f, buckets
-    dropout                      passes.dropout                 rank-aware masks
-    [data parallel]              passes.data_parallel           dp > 1: gradient averaging / ZeRO-3 gathers
+    remove_dead_code ... repeat_grouped_kv   passes.canonicalize     canonical forms (tp > 1)
+    analyse                                  graph.analysis          linears, regions, head, loss -> placements
+    split_bias                               passes.canonicalize     row biases added after the partial sum
+    parallel_plan                            graph.plan              the plan, the tp_rank input
+    propagate                                graph.propagate         every node: replicated / split / partial
+    gradient_reductions                      graph.gradients         where gradients arrive partial
+    tensor_parallel                          passes.tensor_parallel  local shapes, collectives, f, buckets
+    dropout                                  passes.dropout          rank-aware masks
+    data_parallel                            passes.data_parallel    dp > 1: gradient averaging / ZeRO-3 gathers
+
+Each entry is a ``passes.base.Pass``: a function ``(gm, build) -> PassResult``, the ``Build``
+fields and ``node.meta`` keys it requires and adds, and a predicate of the options saying
+whether it runs (``passes.base`` checks the contract). Later, outside this list:
+
     [pipeline split]             pipeline.plan                  pp > 1: stages at layer boundaries
-    [remat partition, compile]   passes.remat + aot_compile     recompute != "none": AOTAutograd, then
-                                                                 inductor (compile="inductor") or eager
+    [remat partition, compile]   passes.remat + aot_compile     recompute != "none": AOTAutograd (the
+                                                                 partition runs ``passes.remat.JOINT_PASSES``
+                                                                 on the joint graph), then inductor
+                                                                 (compile="inductor") or eager
     [schedule collectives]       passes.overlap                 each partitioned graph (unless overlap=False):
                                                                  issue collectives early, wait late
 
 Sequence parallelism is not a pass of its own: it is how the propagation reduces the partial
 sums leaving a block (a reduce-scatter to the sequence split instead of an all-reduce).
-``build_parallel_graph`` runs everything up to dropout; ``plan_pipeline`` the split; ``aot_compile`` is
-the only call of AOTAutograd in sptransform (the parallel module, each pipeline stage, the
-measurement drivers and the backend go through it). At DEBUG level (logger
-``sptransform.transform``) each pass logs the graph's node counts by op before and after.
+``plan_pipeline`` runs the split; ``aot_compile`` is the only call of AOTAutograd in
+sptransform (the parallel module, each pipeline stage, the measurement drivers and the backend
+go through it). At DEBUG level (logger ``sptransform.passes``) each pass logs the graph's node
+counts by op overload that it changed.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
@@ -37,12 +45,13 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from sptransform.capture import FakeTemplate, capture
-from sptransform.graph.analysis import analyze, constant_nodes, parameter_placements
-from sptransform.graph.gradients import gradient_plan
-from sptransform.graph.plan import ParallelGraph, ParallelPlan
-from sptransform.graph.propagate import SequenceSplit, propagate
+from sptransform.capture import CapturedGraph, FakeTemplate, capture
+from sptransform.graph.analysis import ModelAnalysis, analyze, constant_nodes, parameter_placements
+from sptransform.graph.gradients import GradientPlan, gradient_plan
+from sptransform.graph.plan import ParallelGraph, ParallelPlan, ParamPlacement
+from sptransform.graph.propagate import Propagation, SequenceSplit, propagate
 from sptransform.options import GRAPH_COMPILERS, GraphCompiler, ParallelOptions, PipelineOptions, RematOptions
+from sptransform.passes.base import Pass, PassResult, run_logged, run_passes
 from sptransform.passes.canonicalize import functional_copies, narrow_as_slice, remove_dead_code, repeat_grouped_kv, split_bias
 from sptransform.passes.data_parallel import DataParallelPlan, data_parallel, zero_dim
 from sptransform.passes.dropout import shard_dropout
@@ -62,59 +71,83 @@ from sptransform.torch_internals import (
 log = logging.getLogger(__name__)
 
 
-def _op_counts(gm: fx.GraphModule) -> Counter:
-    return Counter(str(getattr(n.target, "__name__", n.target)) if n.op == "call_function" else n.op for n in gm.graph.nodes)
+@dataclass
+class Build:
+    """One build's record. The first fields are the caller's; the others are ``None`` until the
+    pass that ``adds`` them has run (``passes.base.run_passes`` checks the order)."""
+
+    captured: CapturedGraph
+    options: ParallelOptions
+    group: str | None
+    """The tensor-parallel process group's name."""
+    dp_group: str | None
+    """The data-parallel process group's name (``options.dp > 1``)."""
+    generators: int
+    """The key of the module's dropout generators (``runtime.rng.RankGenerators.key``)."""
+    overlap: bool
+    """Whether gradient buckets stay in flight (``ParallelOptions.overlaps_buckets``)."""
+    analysis: ModelAnalysis | None = None
+    placements: dict[str, ParamPlacement] | None = None
+    plan: ParallelPlan | None = None
+    params: dict[fx.Node, str] | None = None
+    """Parameter placeholders -> FQN."""
+    constant: set[fx.Node] | None = None
+    """Nodes computed from parameters, buffers and constants only."""
+    propagation: Propagation | None = None
+    gradients: GradientPlan | None = None
+    data_parallel: DataParallelPlan | None = None
+
+    def layer_rows(self) -> list[tuple[fx.Node, int]]:
+        """(row-parallel linear, its layer) of every region: the gradient buckets' layers."""
+        return [(r.row.node, r.layer) for r in self.analysis.regions] if self.analysis is not None else []
 
 
-def _logged(name: str, gm: fx.GraphModule, run: Callable[[], object]):
-    """Run one pass, logging node counts by op that changed (DEBUG)."""
-    if not log.isEnabledFor(logging.DEBUG):
-        return run()
-    before = _op_counts(gm)
-    result = run()
-    after = _op_counts(gm)
-    changed = {op: (before[op], after[op]) for op in sorted(set(before) | set(after)) if before[op] != after[op]}
-    log.debug("%s: %d -> %d nodes; %s", name, sum(before.values()), sum(after.values()),
-              ", ".join(f"{op} {a}->{b}" for op, (a, b) in changed.items()) or "no change")
-    return result
+def _tensor_parallel(build: Build) -> bool:
+    return build.options.tp > 1
 
 
-def build_parallel_graph(
-    template: FakeTemplate, args: tuple, kwargs: dict, options: ParallelOptions, group: str | None, generators: int,
-    dp_group: str | None = None, device_type: str = "cpu",
-) -> ParallelGraph:
-    """The pass list, top to bottom (see the module docstring). ``dp_group``: the data-parallel
-    process group's name (``options.dp > 1``); ``device_type``: where the graph runs (whether its
-    gradient buckets stay in flight, ``ParallelOptions.overlaps_buckets``)."""
-    overlap = options.overlaps_buckets(device_type)
-    with maybe_disable_local_tensor_mode():  # tracing sees one rank, never simulated ones
-        captured = capture(template, args, kwargs)
-    log.debug("capture: %d nodes", len(captured.gm.graph.nodes))
-    if options.tp == 1:  # nothing to split: the captured graph runs as is, data parallelism aside
-        graph = ParallelGraph(captured, None, None)
-        if options.dp > 1:
-            _add_data_parallel(graph, options, dp_group, {}, [], overlap)
-        return graph
-    gm, tp = captured.gm, options.tp
-    _logged("remove_dead_code", gm, lambda: remove_dead_code(gm))
-    _logged("functional_copies", gm, lambda: functional_copies(gm))
-    _logged("narrow_as_slice", gm, lambda: narrow_as_slice(gm))
-    _logged("repeat_grouped_kv", gm, lambda: repeat_grouped_kv(gm, tp=tp))
-    analysis = analyze(captured, tp)
-    if options.sp and analysis.seq_len is None:
+def _data_parallel(build: Build) -> bool:
+    return build.options.dp > 1
+
+
+def _changed(gm: fx.GraphModule, count: int) -> PassResult:
+    return PassResult(gm, count > 0)
+
+
+def _targets(gm: fx.GraphModule) -> list:
+    return [n.target for n in gm.graph.nodes]
+
+
+def _analyse(gm: fx.GraphModule, build: Build) -> PassResult:
+    """Linears, regions, head and loss (``graph.analysis``); the parameters' placements."""
+    tp, sp = build.options.tp, build.options.sp
+    analysis = analyze(build.captured, tp)
+    if sp and analysis.seq_len is None:
         raise ValueError("sp=True needs an attention to find the sequence dim; none was found: pass sp=False")
-    if options.sp and analysis.seq_len % tp:
+    if sp and analysis.seq_len % tp:
         raise ValueError(
             f"sequence length {analysis.seq_len} is not divisible by tp={tp}; sequence parallelism splits "
             f"the sequence evenly: use a length that is a multiple of {tp}, or sp=False"
         )
-    placements = parameter_placements(analysis, tp)
-    _logged("split_bias", gm, lambda: [split_bias(gm, region.row.node) for region in analysis.regions])
+    build.analysis, build.placements = analysis, parameter_placements(analysis, tp)
+    return PassResult(gm, False)
+
+
+def _split_bias(gm: fx.GraphModule, build: Build) -> PassResult:
+    for region in build.analysis.regions:
+        split_bias(gm, region.row.node)
+    return PassResult(gm, bool(build.analysis.regions))
+
+
+def _parallel_plan(gm: fx.GraphModule, build: Build) -> PassResult:
+    """The plan the rewrite fills, with the ``tp_rank`` input it reads."""
+    options, analysis, placements, captured = build.options, build.analysis, build.placements, build.captured
+    tp = options.tp
     # A real rank's graph may be specialized on its rank; one serving simulated ranks may not.
-    static_rank = None if local_tensor_mode() is not None else _resolve(group).rank()
-    plan = ParallelPlan(tp=tp, sp=options.sp, group=group, rank=add_rank_input(gm), static_rank=static_rank,
+    static_rank = None if local_tensor_mode() is not None else _resolve(build.group).rank()
+    plan = ParallelPlan(tp=tp, sp=options.sp, group=build.group, rank=add_rank_input(gm), static_rank=static_rank,
                         placements=placements, seq_len=analysis.seq_len if options.sp else None,
-                        overlap=overlap)
+                        overlap=build.overlap)
     if analysis.head is not None:
         plan.vocab = analysis.head.out_features
         plan.vocab_per_rank = -(-plan.vocab // tp)
@@ -123,22 +156,44 @@ def build_parallel_graph(
                         if placements.get(lm.weight_name) is not None and placements[lm.weight_name].spec is not None),
                     len(analysis.linears))
     state = dict(zip(captured.state_placeholders, captured.state_names))
-    params = {node: name for node, name in state.items() if name in captured.param_names}
+    build.plan = plan
+    build.params = {node: name for node, name in state.items() if name in captured.param_names}
+    return PassResult(gm, True)
+
+
+def _propagate(gm: fx.GraphModule, build: Build) -> PassResult:
+    """Every node's placement, from the parameters' (``graph.propagate``)."""
     seeds, cut_seeds = {}, {}
-    for node, name in params.items():
-        placement = placements.get(name)
+    for node, name in build.params.items():
+        placement = build.placements.get(name)
         if placement is not None and placement.spec is not None:
             (cut_seeds if placement.stored_whole else seeds)[node] = placement.spec
-    constant = constant_nodes(gm, set(state))
-    sequence = SequenceSplit(analysis.seq_len) if options.sp else None
-    propagation = propagate(gm, seeds, tp=tp, constant=constant, sequence=sequence, cut_seeds=cut_seeds)
-    inputs = {n for n in captured.user_placeholders if isinstance(n.meta.get("val"), torch.Tensor)
+    build.constant = constant_nodes(gm, set(build.captured.state_placeholders))
+    sequence = SequenceSplit(build.analysis.seq_len) if build.options.sp else None
+    build.propagation = propagate(gm, seeds, tp=build.options.tp, constant=build.constant, sequence=sequence,
+                                  cut_seeds=cut_seeds)
+    return PassResult(gm, False)
+
+
+def _gradient_reductions(gm: fx.GraphModule, build: Build) -> PassResult:
+    """Where gradients arrive partial (``graph.gradients``)."""
+    inputs = {n for n in build.captured.user_placeholders if isinstance(n.meta.get("val"), torch.Tensor)
               and n.meta["val"].is_floating_point()}
-    gradients = gradient_plan(gm, propagation, params=set(params), constant=constant, inputs=inputs)
-    plan.notes.extend(f"{n.name} runs whole on every rank: no rule splits it" for n in propagation.gathered_ops())
-    layer_rows = [(r.row.node, r.layer) for r in analysis.regions]
-    _logged("tensor_parallel", gm, lambda: apply_placements(gm, propagation, gradients, plan, params=params,
-                                                           layer_rows=layer_rows))
+    build.gradients = gradient_plan(gm, build.propagation, params=set(build.params), constant=build.constant,
+                                    inputs=inputs)
+    build.plan.notes.extend(f"{n.name} runs whole on every rank: no rule splits it"
+                            for n in build.propagation.gathered_ops())
+    return PassResult(gm, False)
+
+
+def _apply_placements(gm: fx.GraphModule, build: Build) -> PassResult:
+    gm = apply_placements(gm, build.propagation, build.gradients, build.plan, params=build.params,
+                          layer_rows=build.layer_rows())
+    return PassResult(gm, True)
+
+
+def _dropout(gm: fx.GraphModule, build: Build) -> PassResult:
+    options, captured = build.options, build.captured
     if options.dropout_rng == "reference" and captured.lost_draws:
         raise ValueError(
             f"the forward draws {captured.lost_draws} dropout mask(s) (or other random tensors) that no output "
@@ -147,18 +202,16 @@ def build_parallel_graph(
             "stream than the single device's, so dropout_rng='reference' cannot reproduce its masks. Use "
             "dropout_rng='independent' (every rank still draws the same replicated masks), or compare in eval()"
         )
-    _logged("dropout", gm, lambda: shard_dropout(gm, plan, mode=options.dropout_rng, generators=generators))
-    graph = ParallelGraph(captured, analysis, plan)
-    if options.dp > 1:
-        _add_data_parallel(graph, options, dp_group, placements, layer_rows, overlap)
-    return graph
+    before = _targets(gm)
+    gm = shard_dropout(gm, build.plan, mode=options.dropout_rng, generators=build.generators)
+    return PassResult(gm, _targets(gm) != before)
 
 
-def _add_data_parallel(graph: ParallelGraph, options: ParallelOptions, group: str | None, placements: dict,
-                       layer_rows: list, overlap: bool) -> None:
-    """[data parallel]: gradient averaging buckets, or ZeRO-3 gathers, after the tensor-parallel
-    rewrite (``passes.data_parallel``); the plan records how each parameter is stored."""
-    captured, gm = graph.captured, graph.gm
+def _add_data_parallel(gm: fx.GraphModule, build: Build) -> PassResult:
+    """Gradient averaging buckets, or ZeRO-3 gathers (``passes.data_parallel``), after the
+    tensor-parallel rewrite when there is one (its placements give the local shapes)."""
+    options, captured = build.options, build.captured
+    placements = build.placements or {}
     state = dict(zip(captured.state_placeholders, captured.state_names))
     trainable = {node: name for node, name in state.items() if name in captured.param_names
                  and node.meta.get("val") is not None and node.meta["val"].requires_grad}
@@ -175,10 +228,50 @@ def _add_data_parallel(graph: ParallelGraph, options: ParallelOptions, group: st
         local_shapes[name] = tuple(shape)
         dims[name] = zero_dim(tuple(shape), storage.dim if storage is not None else None, options.dp) \
             if options.zero == 3 else None
-    plan = DataParallelPlan(group=group, size=options.dp, zero=options.zero, dims=dims, local_shapes=local_shapes,
-                            overlap=overlap)
-    _logged("data_parallel", gm, lambda: data_parallel(gm, trainable, plan, layer_rows))
-    graph.data_parallel = plan
+    build.data_parallel = DataParallelPlan(group=build.dp_group, size=options.dp, zero=options.zero, dims=dims,
+                                           local_shapes=local_shapes, overlap=build.overlap)
+    return PassResult(data_parallel(gm, trainable, build.data_parallel, build.layer_rows()), True)
+
+
+# The pass list, run top to bottom on the captured graph. ``requires``/``adds`` name ``Build``
+# fields and ``node.meta`` keys (``passes.base``); ``enabled`` says for which options a pass runs.
+PASSES: list[Pass] = [
+    Pass("remove_dead_code", lambda gm, b: _changed(gm, remove_dead_code(gm)), enabled=_tensor_parallel),
+    Pass("functional_copies", lambda gm, b: _changed(gm, functional_copies(gm)), enabled=_tensor_parallel),
+    Pass("narrow_as_slice", lambda gm, b: _changed(gm, narrow_as_slice(gm)), enabled=_tensor_parallel),
+    Pass("repeat_grouped_kv", lambda gm, b: _changed(gm, repeat_grouped_kv(gm, tp=b.options.tp)),
+         enabled=_tensor_parallel),
+    Pass("analyse", _analyse, adds=("analysis", "placements", "sptransform_param"), enabled=_tensor_parallel),
+    Pass("split_bias", _split_bias, requires=("analysis",), enabled=_tensor_parallel),
+    Pass("parallel_plan", _parallel_plan, requires=("analysis", "placements"), adds=("plan", "params"),
+         enabled=_tensor_parallel),
+    Pass("propagate", _propagate, requires=("analysis", "placements", "params"), adds=("constant", "propagation"),
+         enabled=_tensor_parallel),
+    Pass("gradient_reductions", _gradient_reductions, requires=("propagation", "constant", "params", "plan"),
+         adds=("gradients",), enabled=_tensor_parallel),
+    Pass("tensor_parallel", _apply_placements, requires=("analysis", "propagation", "gradients", "plan", "params"),
+         adds=("sptransform_spec",), enabled=_tensor_parallel),
+    Pass("dropout", _dropout, requires=("plan", "sptransform_spec", "val"), enabled=_tensor_parallel),
+    Pass("data_parallel", _add_data_parallel, requires=("val",), adds=("data_parallel",), enabled=_data_parallel),
+]
+
+
+def build_parallel_graph(
+    template: FakeTemplate, args: tuple, kwargs: dict, options: ParallelOptions, group: str | None, generators: int,
+    dp_group: str | None = None, device_type: str = "cpu",
+) -> ParallelGraph:
+    """Capture, then ``PASSES`` in order. ``dp_group``: the data-parallel process group's name
+    (``options.dp > 1``); ``device_type``: where the graph runs (whether its gradient buckets
+    stay in flight, ``ParallelOptions.overlaps_buckets``). At tp=1 the captured graph runs as
+    is, data parallelism aside: no analysis, no plan."""
+    with maybe_disable_local_tensor_mode():  # tracing sees one rank, never simulated ones
+        captured = capture(template, args, kwargs)
+    log.debug("capture: %d nodes", len(captured.gm.graph.nodes))
+    build = Build(captured, options, group, dp_group, generators, overlap=options.overlaps_buckets(device_type))
+    captured.gm = run_passes(PASSES, captured.gm, build)
+    graph = ParallelGraph(captured, build.analysis, build.plan)
+    graph.data_parallel = build.data_parallel
+    return graph
 
 
 def plan_pipeline(graph: ParallelGraph, template: FakeTemplate, args: tuple, kwargs: dict,
@@ -246,7 +339,7 @@ def _keyed_by_rank(compiler, tag: str):
 def _scheduled(compiler):
     """``compiler`` after the overlap pass [schedule collectives]."""
     def compile_graph(gm: fx.GraphModule, example_inputs):
-        _logged("schedule_collectives", gm, lambda: schedule_collectives(gm))
+        run_logged("schedule_collectives", gm, lambda: schedule_collectives(gm))
         return compiler(gm, example_inputs)
     return compile_graph
 

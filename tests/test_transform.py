@@ -1,11 +1,25 @@
-"""The AOTAutograd driver's compile-cache key: sptransform's inductor compiles are keyed by rank."""
+"""The driver: the pass list's contract (each pass requires only what an earlier one adds, every
+meta key a build writes is declared), the build at tp=1 and tp=2, tp=1 analysing its graph once,
+and the AOTAutograd driver's compile-cache key (sptransform's inductor compiles are keyed by rank)."""
 
 from __future__ import annotations
 
-import torch
+import dataclasses
+import logging
 
+import pytest
+import torch
+import torch.distributed as dist
+
+import sptransform
+import sptransform.graph.analysis as graph_analysis
+import sptransform.graph.plan as graph_plan
 from simulate import fake_group
-from sptransform.transform import _keyed_by_rank, rank_cache_tag
+from sptransform.capture import FakeTemplate, capture
+from sptransform.options import ParallelOptions
+from sptransform.passes.base import declared_meta_keys, op_counts
+from sptransform.transform import PASSES, Build, _keyed_by_rank, build_parallel_graph, rank_cache_tag
+from tiny_models import TinyConfig, TinyLM
 
 
 def test_cache_tag_names_the_rank_only_with_several_ranks():
@@ -23,3 +37,98 @@ def test_each_compile_runs_under_the_rank_tag_and_leaves_the_config_as_it_was():
     compiler(None, [])
     assert seen == ["sptransform rank 1/2"]
     assert torch.compiler.config.cache_key_tag == ""
+
+
+# ---------------------------------------------------------------------------
+# the pass list and the build
+
+
+def _tiny(**overrides):
+    model = TinyLM(TinyConfig(**overrides))
+    ids = torch.randint(0, 61, (2, 8))
+    return model, (ids, ids.roll(1, 1))
+
+
+def _build(model, inputs, options: ParallelOptions):
+    with fake_group(options.tp):
+        return build_parallel_graph(FakeTemplate(model, torch.device("cpu")), inputs, {}, options,
+                                    dist.group.WORLD.group_name, generators=0)
+
+
+def test_every_pass_requires_only_what_the_start_or_an_earlier_pass_provides():
+    fields = {f.name for f in dataclasses.fields(Build)}
+    provided = {"captured", "options", "group", "dp_group", "generators", "overlap", "val"}
+    for p in PASSES:
+        assert set(p.requires) <= provided, (p.name, set(p.requires) - provided)
+        provided |= set(p.adds)
+    assert {f for f in fields if f not in provided} == set(), "a Build field no pass adds"
+
+
+def test_each_meta_key_is_added_by_exactly_one_pass():
+    keys = [key for p in PASSES for key in p.adds if key not in {f.name for f in dataclasses.fields(Build)}]
+    assert sorted(keys) == sorted(set(keys)) == ["sptransform_param", "sptransform_spec"]
+
+
+@pytest.mark.parametrize("options", [ParallelOptions(tp=2, sp=True), ParallelOptions(tp=2, sp=False, dp=2)])
+def test_the_meta_keys_a_build_writes_are_exactly_the_declared_ones(options):
+    model, inputs = _tiny(dropout=0.1)
+    captured = capture(FakeTemplate(model, torch.device("cpu")), inputs, {})
+    torch_keys = {key for n in captured.gm.graph.nodes for key in n.meta}
+    with fake_group(options.tp * options.dp):
+        graph = build_parallel_graph(FakeTemplate(model, torch.device("cpu")), inputs, {}, options,
+                                     dist.group.WORLD.group_name, generators=0,
+                                     dp_group=dist.group.WORLD.group_name if options.dp > 1 else None)
+    written = {key for n in graph.gm.graph.nodes for key in n.meta} - torch_keys
+    assert written == declared_meta_keys(PASSES, Build)
+
+
+def test_tp1_build_runs_no_pass_and_keeps_the_captured_graph():
+    model, inputs = _tiny()
+    captured = capture(FakeTemplate(model, torch.device("cpu")), inputs, {})
+    graph = _build(model, inputs, ParallelOptions(tp=1))
+    assert graph.analysis is None and graph.plan is None and graph.data_parallel is None
+    assert op_counts(graph.gm) == op_counts(captured.gm)
+
+
+def test_tp2_build_fills_the_plan_and_adds_collectives():
+    model, inputs = _tiny()
+    graph = _build(model, inputs, ParallelOptions(tp=2, sp=True))
+    assert graph.plan.tp == 2 and graph.plan.seq_len == 8 and graph.analysis.regions
+    ops = op_counts(graph.gm)
+    assert any("scatter_seq" in op for op in ops) and any("gather_seq" in op for op in ops)
+    assert sum(1 for n in graph.gm.graph.nodes if n.op == "placeholder" and n.name == "tp_rank") == 1
+
+
+def test_tp2_build_logs_each_pass_op_count_change_at_debug(caplog):
+    model, inputs = _tiny()
+    with caplog.at_level(logging.DEBUG, logger="sptransform.passes"):
+        _build(model, inputs, ParallelOptions(tp=2, sp=True))
+    logged = [r.getMessage().split(":")[0] for r in caplog.records if r.name == "sptransform.passes"]
+    assert logged == [p.name for p in PASSES if p.name != "data_parallel"]
+    tensor_parallel = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("tensor_parallel"))
+    assert "scatter_seq" in tensor_parallel
+
+
+def test_sp_with_a_sequence_tp_does_not_divide_names_the_fix():
+    model = TinyLM(TinyConfig())
+    ids = torch.randint(0, 61, (2, 7))
+    with pytest.raises(ValueError, match="sequence length 7 is not divisible by tp=2"):
+        _build(model, (ids, ids), ParallelOptions(tp=2, sp=True))
+
+
+def test_tp1_step_analyses_the_captured_graph_once_over_four_microbatches(monkeypatch):
+    calls = []
+    real = graph_analysis.analyze
+
+    def counted(*args, **kwargs):
+        calls.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(graph_analysis, "analyze", counted)
+    monkeypatch.setattr(graph_plan, "analyze", counted)
+    model, (ids, targets) = _tiny()
+    ids, targets = torch.randint(0, 61, (8, 8)), torch.randint(0, 61, (8, 8))
+    pm = sptransform.parallelize(model, tp=1, n_microbatches=4, example_inputs=(ids, targets))
+    pm.step(ids, targets)
+    pm.step(ids, targets)
+    assert calls == [1]

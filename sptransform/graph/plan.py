@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from sptransform.capture import CapturedGraph
-from sptransform.graph.analysis import ModelAnalysis
+from sptransform.graph.analysis import ModelAnalysis, analyze
 from sptransform.graph.placement import ParamPlacement  # noqa: F401  (re-exported)
 from sptransform.graph.sharding import DimShard
 
@@ -53,7 +53,17 @@ class ParallelGraph:
     data_parallel: object = None
     """``passes.data_parallel.DataParallelPlan`` when ``dp > 1``: how each parameter is stored over
     the data-parallel ranks."""
+    _single_device_analysis: ModelAnalysis | None = field(default=None, repr=False, compare=False)
 
     @property
     def gm(self) -> fx.GraphModule:
         return self.captured.gm
+
+    def model_analysis(self) -> ModelAnalysis:
+        """The analysis of the build, or at tp=1 (none) ``analyze(captured, 1)``: run once per
+        captured graph and kept, since every microbatch's step reads its loss output."""
+        if self.analysis is not None:
+            return self.analysis
+        if self._single_device_analysis is None:
+            self._single_device_analysis = analyze(self.captured, 1)
+        return self._single_device_analysis

@@ -63,7 +63,7 @@ def plan_pipeline(graph: ParallelGraph, template: FakeTemplate, args: tuple, kwa
                   options: PipelineOptions) -> PipelinePlan:
     """Boundaries, costs, balance and split of ``graph`` (captured on one microbatch)."""
     captured = graph.captured
-    analysis = graph.analysis or analyze(captured, 1)
+    analysis = graph.model_analysis()
     flow = GraphFlow(captured, find_loss_output(captured, analysis))
     num_stages = options.num_stages
     cuts = find_stage_cuts(flow, analysis, num_stages)
@@ -135,7 +135,7 @@ def resplit_pipeline(graph: ParallelGraph, plan: PipelinePlan) -> PipelinePlan:
     """``graph`` (the model captured again, in another train/eval mode) cut at ``plan``'s stage
     starts. Stages keep their layers, ranks and parameters; costs are not measured again."""
     captured = graph.captured
-    analysis = graph.analysis or analyze(captured, 1)
+    analysis = graph.model_analysis()
     flow = GraphFlow(captured, find_loss_output(captured, analysis))
     cuts = find_stage_cuts(flow, analysis, plan.options.num_stages)
     if cuts.num_layers != plan.num_layers:

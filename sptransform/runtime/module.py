@@ -39,7 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from sptransform.capture import CapturedGraph, InputsRejected, input_signature
-from sptransform.graph.analysis import analyze, find_loss_output
+from sptransform.graph.analysis import find_loss_output
 from sptransform.graph.plan import ParallelGraph, ParallelPlan, ParamPlacement
 from sptransform.graph.sharding import DimShard
 from sptransform.options import ParallelOptions
@@ -508,7 +508,7 @@ class SteppedModule(ParallelModule):
 
     def _loss_of(self, out) -> torch.Tensor:
         graph = self._last
-        analysis = graph.analysis or analyze(graph.captured, 1)
+        analysis = graph.model_analysis()
         loss_node = find_loss_output(graph.captured, analysis)
         outputs = list(graph.captured.gm.graph.find_nodes(op="output")[0].args[0])
         return pytree.tree_leaves(out)[outputs.index(loss_node)]
