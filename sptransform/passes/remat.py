@@ -9,7 +9,8 @@ Paper's layer, policy ``"selective"`` (Korthikanti et al. 2022, section 5):
 
 The pass is a ``partition_fn`` for ``aot_module_simplified`` / ``aot_function``
 (``remat_partition(options)``). It never edits the user's model; it reads the joint
-graph and returns new forward and backward graph modules. It is split in two:
+graph and returns new forward and backward graph modules. Its steps are a pass list of
+their own, ``JOINT_PASSES`` (``passes.base``), run on the joint graph. It is split in two:
 
 * **find** (``analyze_joint`` + ``plan_remat``): which forward values to save.
   Every policy is the same s-t min cut over the forward nodes (node ``v`` split in
@@ -53,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -65,11 +67,8 @@ from sptransform.capture import views_as_reshapes
 from sptransform.graph.cost import FORWARD_TAG
 from sptransform.torch_internals import detect_fake_mode, run_with_rng_state
 from sptransform.torch_internals import partitioners as torch_partitioners
-from sptransform.graph.nodes import (
-    number_joint_nodes,
-    is_random,
-    val,
-)
+from sptransform.graph.nodes import JOINT_ID, TANGENT, is_random, number_joint_nodes, val
+from sptransform.passes.base import Pass, PassResult, run_passes
 
 from sptransform.passes.remat_rng import (
     compact_bernoulli_masks,
@@ -151,20 +150,74 @@ def remat_partition(
 
     def partition(joint_module: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
         indices = state_indices if state_indices is not None else kwargs.get("static_lifetime_input_indices") or []
-        joint_module.graph.eliminate_dead_code(is_impure_node=_keeps_when_dead)
-        number_joint_nodes(joint_module.graph, joint_inputs)
-        if options.replay_rng:
-            isolate_dropout_masks(joint_module)
-        compact_bernoulli_masks(joint_module)
-        joint_module.recompile()
-        analysis = analyze_joint(joint_module, num_fwd_outputs=num_fwd_outputs, state_indices=indices)
-        plan = plan_remat(analysis, options)
-        fw, bw = apply_plan(analysis, plan)
+        joint = Partition(options, joint_inputs, num_fwd_outputs, indices)
+        run_passes(JOINT_PASSES, joint_module, joint)
         if on_partition is not None:
-            on_partition(analysis, plan, fw, bw)
-        return fw, bw
+            on_partition(joint.analysis, joint.plan, joint.fw, joint.bw)
+        return joint.fw, joint.bw
 
     return partition
+
+
+@dataclass
+class Partition:
+    """One joint graph's partition: AOTAutograd's arguments, then what ``JOINT_PASSES`` add."""
+
+    options: RematOptions
+    joint_inputs: object
+    num_fwd_outputs: int
+    state_indices: Sequence[int]
+    """Which joint inputs are parameters or buffers."""
+    analysis: JointAnalysis | None = None
+    plan: RematPlan | None = None
+    fw: fx.GraphModule | None = None
+    bw: fx.GraphModule | None = None
+
+
+def _remove_dead_code(joint: fx.GraphModule, _: Partition) -> PassResult:
+    before = len(joint.graph.nodes)
+    joint.graph.eliminate_dead_code(is_impure_node=_keeps_when_dead)
+    return PassResult(joint, len(joint.graph.nodes) != before)
+
+
+def _number(joint: fx.GraphModule, p: Partition) -> PassResult:
+    number_joint_nodes(joint.graph, p.joint_inputs)
+    return PassResult(joint, False)
+
+
+def _compact_masks(joint: fx.GraphModule, _: Partition) -> PassResult:
+    changed = compact_bernoulli_masks(joint)
+    joint.recompile()  # the masks' passes edit the graph only
+    return PassResult(joint, changed > 0)
+
+
+def _analyze(joint: fx.GraphModule, p: Partition) -> PassResult:
+    p.analysis = analyze_joint(joint, num_fwd_outputs=p.num_fwd_outputs, state_indices=p.state_indices)
+    return PassResult(joint, False)
+
+
+def _plan(joint: fx.GraphModule, p: Partition) -> PassResult:
+    p.plan = plan_remat(p.analysis, p.options)
+    return PassResult(joint, False)
+
+
+def _apply(joint: fx.GraphModule, p: Partition) -> PassResult:
+    p.fw, p.bw = apply_plan(p.analysis, p.plan)
+    return PassResult(joint, False)  # only tagged: the partition is in fw and bw
+
+
+# The partition's own pass list, run on the joint graph in order (``passes.base``).
+JOINT_PASSES: list[Pass] = [
+    Pass("remove_dead_code", _remove_dead_code),
+    Pass("number_joint_nodes", _number, adds=(JOINT_ID, TANGENT)),
+    Pass("isolate_dropout_masks", lambda joint, p: PassResult(joint, isolate_dropout_masks(joint) > 0),
+         requires=(JOINT_ID,), enabled=lambda p: p.options.replay_rng),
+    Pass("compact_bernoulli_masks", _compact_masks, requires=(JOINT_ID,)),
+    Pass("analyze_joint", _analyze, requires=(TANGENT, "val"), adds=("analysis",)),
+    Pass("plan_remat", _plan, requires=("analysis",), adds=("plan",)),
+    Pass("apply_plan", _apply, requires=("analysis", "plan", JOINT_ID),
+         adds=("fw", "bw", FORWARD_TAG, "recompute")),
+]
 
 
 def tag_forward(joint: fx.GraphModule, *, num_fwd_outputs: int) -> None:

@@ -29,8 +29,11 @@ Each rewrite follows from a placement, not from the op's role in the model:
     after:   h = layer_norm(x_s); hg = gather_seq(h, 1); q = linear(hg, Wq_r); ...(local heads)...;
              o = linear(a_r, Wo_r); os = scatter_seq(o, 1); y = add(os, b); r = add(x_s, y)
 
-Edits ``gm`` in place; ``node.meta["val"]`` keeps global shapes; writes
-``node.meta["sptransform_spec"]`` (the split) on every node whose output is split.
+The finders only match: ``find_local_rewrite`` (which rewrite a node's placement asks for) and
+``find_redistributions`` (which inputs need another placement, for which readers);
+``apply_placements`` rewrites what they found. Edits ``gm`` in place; reads
+``node.meta["val"]``, which keeps global shapes; writes ``node.meta["sptransform_spec"]`` (the
+split) on every node whose output is split.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from __future__ import annotations
 import math
 import operator
 from collections import defaultdict
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.fx as fx
@@ -45,7 +50,7 @@ import torch.fx as fx
 from sptransform.graph.gradients import GradientPlan
 from sptransform.graph.placement import PARTIAL, REPLICATED, ParamPlacement
 from sptransform.graph.plan import ParallelPlan
-from sptransform.graph.propagate import Propagation
+from sptransform.graph.propagate import Propagation, move_kind
 from sptransform.graph.sharding import (
     DimShard, ShardingError, describe, is_split, local_slice_bounds, packet, shape_of, slice_bounds,
 )
@@ -201,33 +206,51 @@ def _pad_vocabulary(gm: fx.GraphModule, prop: Propagation, plan: ParallelPlan, p
                 reads[padded] = reads.pop(node)
 
 
-def _localize(gm: fx.GraphModule, node: fx.Node, prop: Propagation, plan: ParallelPlan) -> None:
+LocalRewrite = Literal["vocab_embedding", "vocab_loss", "fused_slice", "split", "local_sizes"]
+
+
+def find_local_rewrite(node: fx.Node, prop: Propagation) -> LocalRewrite | None:
+    """Which rewrite ``node`` needs to run on local shards, from its placement and the
+    placements it reads (matching only; ``_localize`` rewrites):
+
+    * ``vocab_embedding``: an embedding reading a vocabulary-split weight, its output partial;
+    * ``vocab_loss``: a cross-entropy of vocabulary-split logits;
+    * ``fused_slice``: a slice along the split dim of its input (a piece of a fused weight);
+    * ``split``: a ``split`` of a split input (several outputs);
+    * ``local_sizes``: any other op with a split output (its size arguments, if any, go local).
+    """
     out = prop.placement.get(node)
     reads = prop.reads.get(node, {})
     p = packet(node)
-    if p is aten.embedding and isinstance(reads.get(node.args[0]), DimShard) and out == PARTIAL:
-        _vocab_embedding(node, plan)
-        return
-    if p is aten.cross_entropy_loss and isinstance(reads.get(node.args[0]), DimShard):
-        _vocab_loss(node, plan)
-        return
-    if p is aten.slice and isinstance(reads.get(node.args[0]), DimShard):
-        spec = reads[node.args[0]]
-        d, start, end, _ = slice_bounds(node)
-        if spec.dim == d:  # a piece of a fused dim: its bounds in the local tensor
-            local_start, local_end = local_slice_bounds(spec, start, end, plan.tp)
-            node.args = (node.args[0], d, local_start, local_end, 1)
-            node.kwargs = {}
-            node.meta["sptransform_spec"] = out
-            return
+    first = reads.get(node.args[0]) if node.args and isinstance(node.args[0], fx.Node) else None
+    if p is aten.embedding and isinstance(first, DimShard) and out == PARTIAL:
+        return "vocab_embedding"
+    if p is aten.cross_entropy_loss and isinstance(first, DimShard):
+        return "vocab_loss"
+    if p is aten.slice and isinstance(first, DimShard) and first.dim == slice_bounds(node)[0]:
+        return "fused_slice"
     if isinstance(out, tuple):
-        source = node.args[0] if node.args else None
-        spec = reads.get(source)
-        if is_split(node) and isinstance(spec, DimShard):
-            localize_split(node, spec, plan.tp)
-        return
-    if isinstance(out, DimShard):
-        localize(node, out, plan.tp)
+        return "split" if is_split(node) and isinstance(first, DimShard) else None
+    return "local_sizes" if isinstance(out, DimShard) else None
+
+
+def _localize(gm: fx.GraphModule, node: fx.Node, prop: Propagation, plan: ParallelPlan) -> None:
+    kind = find_local_rewrite(node, prop)
+    if kind == "vocab_embedding":
+        _vocab_embedding(node, plan)
+    elif kind == "vocab_loss":
+        _vocab_loss(node, plan)
+    elif kind == "fused_slice":  # a piece of a fused dim: its bounds in the local tensor
+        spec = prop.reads[node][node.args[0]]
+        d, start, end, _ = slice_bounds(node)
+        local_start, local_end = local_slice_bounds(spec, start, end, plan.tp)
+        node.args = (node.args[0], d, local_start, local_end, 1)
+        node.kwargs = {}
+        node.meta["sptransform_spec"] = prop.placement.get(node)
+    elif kind == "split":
+        localize_split(node, prop.reads[node][node.args[0]], plan.tp)
+    elif kind == "local_sizes":
+        localize(node, prop.placement[node], plan.tp)
 
 
 def _vocab_embedding(node: fx.Node, plan: ParallelPlan) -> None:
@@ -263,24 +286,45 @@ def _after_placeholders(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
     return [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
 
 
-def _redistribute(gm: fx.GraphModule, prop: Propagation, grads: GradientPlan, plan: ParallelPlan) -> dict:
-    """One collective or cut per (input, wanted placement); returns {(input, wanted): new node}."""
+@dataclass(frozen=True)
+class Redistribution:
+    """An input whose readers need another placement than it has: one collective or cut."""
+
+    node: fx.Node
+    have: object
+    want: object
+    readers: tuple[fx.Node, ...]
+
+    @property
+    def kind(self) -> str:
+        """``all_reduce``, ``reduce_scatter``, ``all_gather``, ``cut`` or ``all_to_all`` (``move_kind``)."""
+        return move_kind(self.have, self.want)
+
+
+def find_redistributions(prop: Propagation) -> list[Redistribution]:
+    """Every (input, wanted placement) some reader needs, with all readers wanting it (matching
+    only; ``_redistribute`` inserts the collectives)."""
     groups: dict[tuple[fx.Node, object], list[fx.Node]] = defaultdict(list)
     for user, reads in prop.reads.items():
         for node, want in reads.items():
             if want is not None and prop.placement.get(node) != want:
                 groups[(node, want)].append(user)
+    return [Redistribution(node, prop.placement[node], want, tuple(users)) for (node, want), users in groups.items()]
+
+
+def _redistribute(gm: fx.GraphModule, prop: Propagation, grads: GradientPlan, plan: ParallelPlan) -> dict:
+    """One collective or cut per redistribution; returns {(input, wanted): new node}."""
     moved = {}
-    for (node, want), users in groups.items():
-        have = prop.placement[node]
-        new = _move(gm, node, have, want, grads, plan)
-        moved[(node, want)] = new
-        for user in users:
-            user.replace_input_with(node, new)
+    for r in find_redistributions(prop):
+        new = _move(gm, r, grads, plan)
+        moved[(r.node, r.want)] = new
+        for user in r.readers:
+            user.replace_input_with(r.node, new)
     return moved
 
 
-def _move(gm: fx.GraphModule, node: fx.Node, have, want, grads: GradientPlan, plan: ParallelPlan) -> fx.Node:
+def _move(gm: fx.GraphModule, r: Redistribution, grads: GradientPlan, plan: ParallelPlan) -> fx.Node:
+    node, have, want, kind = r.node, r.have, r.want, r.kind
     graph = gm.graph
     at = _after_placeholders(gm, node)
     value = node.meta.get("val")
@@ -293,17 +337,17 @@ def _move(gm: fx.GraphModule, node: fx.Node, have, want, grads: GradientPlan, pl
             new.meta["sptransform_spec"] = spec
         return new
 
-    if have == PARTIAL and want == REPLICATED:
+    if kind == "all_reduce":
         return emit(reduce_from_tp, (node, plan.group), at)
-    if have == PARTIAL and isinstance(want, DimShard):
+    if kind == "reduce_scatter" and isinstance(want, DimShard):
         ordered = _to_rank_order(gm, node, want, plan, at)
         return emit(scatter_seq, (ordered, want.dim, plan.group), ordered, want)
-    if isinstance(have, DimShard) and want == REPLICATED:
+    if kind == "all_gather" and isinstance(have, DimShard):
         return _gather(gm, node, have, grads.gather_backward.get(node, "slice"), plan, at)
-    if have == REPLICATED and isinstance(want, DimShard):
+    if kind == "cut" and isinstance(want, DimShard):
         table = index_table(gm, at, want, plan.tp)
         return emit(take_local, (node, want.dim, table, plan.rank), table, want)
-    if not (isinstance(have, DimShard) and isinstance(want, DimShard)):
+    if not (kind == "all_to_all" and isinstance(have, DimShard) and isinstance(want, DimShard)):
         raise AssertionError(f"no move from {have} to {want} ({node.name})")
     # One split to another (an all-to-all): gather, then cut. The cut sends back a partial
     # sum, so the gather's backward reduce-scatters it.
@@ -453,4 +497,5 @@ def vocabulary_placements(vocab: int, tp: int) -> tuple[DimShard, int, int | Non
     return DimShard(0, ((0, per_rank * tp),)), per_rank, (per_rank if vocab % tp else None)
 
 
-__all__ = ["ParamPlacement", "add_rank_input", "apply_placements", "vocabulary_placements"]
+__all__ = ["ParamPlacement", "Redistribution", "add_rank_input", "apply_placements", "find_local_rewrite",
+           "find_redistributions", "vocabulary_placements"]
