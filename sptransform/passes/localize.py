@@ -1,4 +1,14 @@
-"""Shared rewriting helpers: give a node the local shape of its split output."""
+"""Shared rewriting helpers: give a node the local shape of its split output.
+
+    before:  v = view(h, [2, 4, 2, 8])                  # h split along dim 2 over tp=2
+    after:   v = view(h, [2, 4, 1, 8])                  # meta["sptransform_spec"]: the split
+
+    before:  a, b = split(h, 8, 2)                      # h: [q|k], each piece split over tp=2
+    after:   a, b = split_with_sizes(h, [4, 4], 2)
+
+Edit the node in place and write ``node.meta["sptransform_spec"]``; ``index_table`` adds a
+buffer of each rank's indices along a split dim, read by a ``get_attr``.
+"""
 
 from __future__ import annotations
 
