@@ -136,6 +136,7 @@ def build_parallel_graph(
               and n.meta["val"].is_floating_point()}
     gradients = gradient_plan(gm, propagation, params=set(params), constant=constant, inputs=inputs)
     plan.notes.extend(f"{n.name} runs whole on every rank: no rule splits it" for n in propagation.gathered_ops())
+    plan.notes.extend(propagation.notes.values())
     layer_rows = [(r.row.node, r.layer) for r in analysis.regions]
     _logged("tensor_parallel", gm, lambda: apply_placements(gm, propagation, gradients, plan, params=params,
                                                            layer_rows=layer_rows))
