@@ -11,9 +11,8 @@ import torch.nn.functional as F
 from sptransform.capture import FakeTemplate, capture
 from sptransform.graph.analysis import constant_nodes
 from sptransform.graph.gradients import gradient_plan
-from sptransform.graph.placement import PARTIAL, REPLICATED
+from sptransform.graph.placement import PARTIAL, REPLICATED, DimShard, whole
 from sptransform.graph.propagate import SequenceSplit, move_kind, propagate
-from sptransform.graph.placement import DimShard, whole
 from sptransform.passes.canonicalize import remove_dead_code, split_bias
 
 
