@@ -30,6 +30,8 @@ def _ndim(node: fx.Node) -> int:
 
 
 def view_forward(node: fx.Node, links: LinksRule | None, current: dict, ctx: RuleContext) -> Decision | None:
+    """``view(x: [4, 6, 8] split on 8, [24, 8])`` is split on its 8; a view that cannot keep the
+    split (it would cut a rank's part) reads ``x`` whole."""
     x = node.args[0]
     placement = current[x]
     moved = reshape_spec(placement, shape_of(x), shape_of(node), ctx.tp)
@@ -38,12 +40,10 @@ def view_forward(node: fx.Node, links: LinksRule | None, current: dict, ctx: Rul
     return Decision({x: placement}, moved)
 
 
-
-
 def linked_forward(node: fx.Node, links: LinksRule | None, current: dict, ctx: RuleContext) -> Decision | None:
     """Ops whose output dims correspond one to one to input dims (their ``LinksRule``):
     the output is split where the split inputs' dims lead; replicated inputs whose linked dim
-    is not broadcast are cut to match; partial sums pass where the op is linear in them."""
+    is not broadcast are cut to match; a split that does not survive the op is gathered."""
     if links is None:
         return None
     try:
@@ -103,6 +103,8 @@ def _in_spec(out_spec: DimShard, arg: fx.Node, in_dim: int, node: fx.Node, p) ->
 
 
 def reduction_forward(node: fx.Node, links: LinksRule | None, current: dict, ctx: RuleContext) -> Decision | None:
+    """A reduction over other dims keeps the split; ``sum`` over the split dim is a partial sum;
+    any other reduction over it (mean, max, var) reads its input whole."""
     x = node.args[0]
     spec = current[x]
     mapping = links(node)[0][0][1]
@@ -119,6 +121,9 @@ def reduction_forward(node: fx.Node, links: LinksRule | None, current: dict, ctx
 
 
 def split_forward(node: fx.Node, links: LinksRule | None, current: dict, ctx: RuleContext) -> Decision | None:
+    """Chunks of a split along another dim keep it; chunks along the split dim take the
+    segments inside them (``[q|k|v]`` split in three segments gives q, k, v each split evenly),
+    or the input is read whole when a chunk boundary cuts a segment or tp does not divide one."""
     if not is_split(node):
         return None
     x = node.args[0]
