@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.export.graph_signature import InputKind, OutputKind
 
 from sptransform.copying import faithful_deepcopy
+from sptransform.graph.nodes import describe
 from sptransform.torch_internals import (
     FakeTensor, FakeTensorMode, OpOverload, StorageWeakRef, disable_current_modes, free_unbacked_symbols, maybe_disable_local_tensor_mode, pytree,
     quiet_fake_tensor_meta_failures, tracing_limit_errors,
@@ -206,8 +207,6 @@ def capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph:
 
 
 def _capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph:
-    from sptransform.graph.sharding import describe
-
     fake_args, fake_kwargs = template.fake_inputs(args, kwargs)
     try:
         # A meta kernel that refuses our inputs is logged with a traceback before the exception
@@ -440,8 +439,6 @@ def input_signature(args: tuple, kwargs: dict) -> tuple:
 def _refuse_data_dependent_shapes(gm: fx.GraphModule) -> None:
     """Shapes that depend on the data (token routing with ``nonzero``, boolean masks) differ
     from rank to rank and step to step: name every op that makes one."""
-    from sptransform.graph.sharding import describe
-
     sites = []
     for node in gm.graph.nodes:
         value = node.meta.get("val")
@@ -504,8 +501,6 @@ def _hidden_writes(gm: fx.GraphModule) -> list[str]:
     read afterwards through another alias of the same storage (``buf`` itself, an earlier view)
     is invisible to dataflow: the analysis would place, cut or gather the unwritten value.
     Reads through the in-place op's own result are dataflow and fine. One line per such write."""
-    from sptransform.graph.sharding import describe
-
     nodes = list(gm.graph.nodes)
     order = {node: i for i, node in enumerate(nodes)}
     source = {node: _aliased_input(node) for node in nodes}

@@ -117,7 +117,7 @@ try:
     from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
-    # -- DTensor's sharding propagator (graph/dtensor_rules.py) -------------------------------
+    # -- DTensor's sharding propagator (graph/dtensor_rules/) ----------------------------------
     # The registry of per-op sharding strategies and DTensor's own choice among them, queried
     # without a process group: the propagator object and its strategy types, the expansion of
     # single-dim rules, and the decomposition path. The propagator's methods used there

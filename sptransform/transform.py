@@ -183,6 +183,7 @@ def _gradient_reductions(gm: fx.GraphModule, build: Build) -> PassResult:
                                     inputs=inputs)
     build.plan.notes.extend(f"{n.name} runs whole on every rank: no rule splits it"
                             for n in build.propagation.gathered_ops())
+    build.plan.notes.extend(build.propagation.notes.values())
     return PassResult(gm, False)
 
 
@@ -241,7 +242,7 @@ PASSES: list[Pass] = [
     Pass("narrow_as_slice", lambda gm, b: _changed(gm, narrow_as_slice(gm)), enabled=_tensor_parallel),
     Pass("repeat_grouped_kv", lambda gm, b: _changed(gm, repeat_grouped_kv(gm, tp=b.options.tp)),
          enabled=_tensor_parallel),
-    Pass("analyse", _analyse, adds=("analysis", "placements", "sptransform_param"), enabled=_tensor_parallel),
+    Pass("analyse", _analyse, adds=("analysis", "placements"), enabled=_tensor_parallel),
     Pass("split_bias", _split_bias, requires=("analysis",), enabled=_tensor_parallel),
     Pass("parallel_plan", _parallel_plan, requires=("analysis", "placements"), adds=("plan", "params"),
          enabled=_tensor_parallel),

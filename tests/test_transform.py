@@ -66,7 +66,7 @@ def test_every_pass_requires_only_what_the_start_or_an_earlier_pass_provides():
 
 def test_each_meta_key_is_added_by_exactly_one_pass():
     keys = [key for p in PASSES for key in p.adds if key not in {f.name for f in dataclasses.fields(Build)}]
-    assert sorted(keys) == sorted(set(keys)) == ["sptransform_param", "sptransform_spec"]
+    assert sorted(keys) == sorted(set(keys)) == ["sptransform_spec"]
 
 
 @pytest.mark.parametrize("options", [ParallelOptions(tp=2, sp=True), ParallelOptions(tp=2, sp=False, dp=2)])

@@ -33,25 +33,13 @@ import torch
 import torch.fx as fx
 
 from sptransform.capture import CapturedGraph
-from sptransform.graph.placement import ParamPlacement
-from sptransform.torch_internals import pytree
-from sptransform.graph.sharding import (
-    CUT,
-    DimShard,
-    slice_bounds,
-    slices_input_spec,
-    split_chunks,
-    split_dim,
-    ShardingError,
-    describe,
-    input_specs_for_output,
-    is_getitem,
-    is_split,
-    packet,
-    shape_of,
-    split_input_spec,
-    whole,
+from sptransform.graph.nodes import describe, packet, shape_of
+from sptransform.graph.placement import DimShard, ParamPlacement, whole
+from sptransform.graph.rules import (
+    CUT, ShardingError, input_specs_for_output, is_getitem, is_split, slice_bounds, slices_input_spec, split_chunks,
+    split_dim, split_input_spec,
 )
+from sptransform.torch_internals import pytree
 
 aten = torch.ops.aten
 
@@ -435,16 +423,9 @@ def trace_region(
     )
 
 
-def _is_param(node: fx.Node) -> bool:
-    return bool(node.meta.get("sptransform_param"))
-
-
 def analyze(captured: CapturedGraph, tp: int) -> ModelAnalysis:
     """Find linears, regions, embeddings, head and loss; errors name what was not recognized."""
     graph = captured.gm.graph
-    for node in captured.state_placeholders:
-        if captured.param_of(node):
-            node.meta["sptransform_param"] = captured.param_of(node)
     linears = find_linears(captured)
     derived = set(_forward_closure(list(linears)))
     regions: list[Region] = []

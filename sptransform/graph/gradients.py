@@ -34,7 +34,7 @@ import torch.fx as fx
 
 from sptransform.graph.placement import PARTIAL, REPLICATED
 from sptransform.graph.propagate import Propagation
-from sptransform.graph.sharding import DimShard
+from sptransform.graph.placement import DimShard
 
 
 @dataclass

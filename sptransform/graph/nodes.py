@@ -180,3 +180,24 @@ def is_multi_output(node: fx.Node) -> bool:
 
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     return [a for a in node.all_input_nodes if isinstance(val(a), torch.Tensor) or is_multi_output(a)]
+
+
+def shape_of(node) -> tuple[int, ...] | None:
+    """The node's tensor shape as ints (None for non-tensors and non-nodes)."""
+    value = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if isinstance(value, torch.Tensor):
+        return tuple(int(s) for s in value.shape)
+    return None
+
+
+def describe(node: fx.Node) -> str:
+    """``aten.view.default (node view) at model.py, line 42: code`` for error messages: the
+    innermost frame of the user's code (not torch's) that made the op."""
+    target = getattr(node.target, "__name__", str(node.target))
+    if isinstance(node.target, OpOverload):
+        target = f"aten.{node.target._opname}.{node.target._overloadname}"
+    lines = [ln.strip() for ln in (node.meta.get("stack_trace") or "").strip().splitlines() if ln.strip()]
+    frames = [(lines[i][5:], lines[i + 1] if i + 1 < len(lines) else "") for i in range(len(lines)) if lines[i].startswith("File ")]
+    user = [f for f in frames if "/torch/" not in f[0]] or frames
+    where = f" at {user[-1][0]}: {user[-1][1]}" if user else ""
+    return f"{target} (node {node.name}){where}"

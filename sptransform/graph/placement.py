@@ -4,8 +4,8 @@ Every node of a captured graph gets one ``Placement`` (a tuple of them for ops w
 outputs, ``None`` for non-tensors):
 
 * ``REPLICATED``: every rank holds the whole tensor, equal on all ranks;
-* ``DimShard(dim, segments)``: split along ``dim`` (see ``graph.sharding``: one segment is an
-  even split of the dim, several are a fused dim whose every segment is split evenly);
+* ``DimShard(dim, segments)``: split along ``dim`` (one segment is an even split of the dim,
+  several are a fused dim whose every segment is split evenly, see ``DimShard``);
 * ``PARTIAL``: every rank holds a tensor of the full shape; the value is their sum.
 
 A placement says what a rank's *local* tensor means. Its gradient has the dual placement:
@@ -19,7 +19,36 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-from sptransform.graph.sharding import DimShard
+
+
+@dataclass(frozen=True)
+class DimShard:
+    """Along ``dim``, the index range is cut into ``segments`` ``(start, length)``; each segment
+    is split evenly over the ``tp`` ranks, rank r holding ``[start + r*length/tp, start +
+    (r+1)*length/tp)`` of every segment. One segment covering the dim is ordinary ``Shard(dim)``;
+    k equal segments are torch's ``_StridedShard(dim, split_factor=k)`` (a fused ``[q|k|v]``
+    weight split per head inside each of q, k and v)."""
+
+    dim: int
+    segments: tuple[tuple[int, int], ...]
+
+    def local_size(self, tp: int) -> int:
+        return sum(length for _, length in self.segments) // tp
+
+    def indices(self, rank: int, tp: int) -> list[int]:
+        out: list[int] = []
+        for start, length in self.segments:
+            part = length // tp
+            out.extend(range(start + rank * part, start + (rank + 1) * part))
+        return out
+
+    def with_dim(self, dim: int) -> "DimShard":
+        return DimShard(dim, self.segments)
+
+
+def whole(dim: int, size: int) -> DimShard:
+    """An even split of all ``size`` elements of ``dim``: DTensor's ``Shard(dim)``."""
+    return DimShard(dim, ((0, size),))
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import torch.fx as fx
 from sptransform.capture import CapturedGraph
 from sptransform.graph.analysis import ModelAnalysis, analyze
 from sptransform.graph.placement import ParamPlacement  # noqa: F401  (re-exported)
-from sptransform.graph.sharding import DimShard
+from sptransform.graph.placement import DimShard
 
 
 @dataclass

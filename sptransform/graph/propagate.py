@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from sptransform.graph.placement import PARTIAL, REPLICATED, describe_placement
-from sptransform.graph.rules import Decision, RuleContext, forward_rule, gather_all, tensor_inputs
-from sptransform.graph.sharding import DimShard, ShardingError, describe, shape_of, whole
+from sptransform.graph.nodes import describe, shape_of
+from sptransform.graph.placement import PARTIAL, REPLICATED, DimShard, whole
+from sptransform.graph.rules import Decision, RuleContext, ShardingError, forward_rule, gather_all, tensor_inputs
 
 # Relative cost of moving a tensor of B bytes (ring algorithms): what a placement change costs.
 _COST = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0, "cut": 0.25, "all_to_all": 1.25}
@@ -67,6 +67,8 @@ class Propagation:
     source: dict[fx.Node, str] = field(default_factory=dict)
     """Which rule placed the node: replicated, ours, dtensor, gather, seed."""
     cut_seeds: dict[fx.Node, object] = field(default_factory=dict)
+    notes: dict[fx.Node, str] = field(default_factory=dict)
+    """Node -> what the user should know about its decision (a DTensor rule used unchecked)."""
 
     def as_read(self, node: fx.Node):
         """The placement rules see: a placeholder stored whole but read split looks split."""
@@ -150,6 +152,8 @@ def propagate(
         result.placement[node] = decision.output
         result.reads[node] = dict(decision.needs)
         result.source[node] = decision.source
+        if decision.note is not None:
+            result.notes[node] = decision.note
         if sequence is not None:
             for a, want in decision.needs.items():
                 have = result.placement.get(a)
@@ -196,16 +200,7 @@ def _decide(node: fx.Node, result: Propagation, ctx: RuleContext, constant, sequ
                               placement_of, constant)
         cost += sum(_COST[move_kind(option[a], needs[a])] * _nbytes(a) for a in partial if needs[a] != option[a])
         if best is None or cost < best[0]:
-            best = (cost, Decision(needs, candidate.output, candidate.source))
+            best = (cost, Decision(needs, candidate.output, candidate.source, candidate.note))
     if best is None:
         raise ShardingError(f"{describe(node)} reads a partial sum and no reduction of it can run")
     return best[1]
-
-
-def explain_changes(result: Propagation) -> list[str]:
-    """One line per placement change: the redistribution the rewrite will insert."""
-    lines = []
-    for node, user, have, want in result.changes():
-        lines.append(f"{move_kind(have, want):<14} {node.name} {describe_placement(have)} -> {describe_placement(want)}"
-                     f" for {user.name}")
-    return lines

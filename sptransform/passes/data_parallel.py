@@ -80,9 +80,6 @@ def data_parallel(gm: fx.GraphModule, params: dict[fx.Node, str], plan: DataPara
             for i, p in enumerate(members):
                 out = gm.graph.call_function(operator.getitem, (bucket, i))
                 out.meta["val"] = p.meta.get("val")
-                for key in ("sptransform_param",):
-                    if key in p.meta:
-                        out.meta[key] = p.meta[key]
                 outs.append(out)
         for p, out in zip(members, outs):
             for reader in readers[p]:

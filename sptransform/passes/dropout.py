@@ -38,7 +38,8 @@ from sptransform.runtime.ops import (
     reference_native_dropout,
 )
 from sptransform.graph.plan import ParallelPlan
-from sptransform.graph.sharding import DimShard, describe, packet
+from sptransform.graph.placement import DimShard
+from sptransform.graph.nodes import describe, packet
 from sptransform.passes.localize import index_table
 from sptransform.torch_internals import OpOverload
 

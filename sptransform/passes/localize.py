@@ -15,7 +15,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from sptransform.graph.sharding import DimShard, packet, shape_of, split_dim, split_output_specs
+from sptransform.graph.placement import DimShard
+from sptransform.graph.nodes import packet, shape_of
+from sptransform.graph.rules import split_dim, split_output_specs
 
 aten = torch.ops.aten
 

@@ -38,7 +38,6 @@ split) on every node whose output is split.
 
 from __future__ import annotations
 
-import math
 import operator
 from collections import defaultdict
 from dataclasses import dataclass
@@ -48,12 +47,11 @@ import torch
 import torch.fx as fx
 
 from sptransform.graph.gradients import GradientPlan
-from sptransform.graph.placement import PARTIAL, REPLICATED, ParamPlacement
+from sptransform.graph.placement import PARTIAL, REPLICATED, DimShard, ParamPlacement
 from sptransform.graph.plan import ParallelPlan
 from sptransform.graph.propagate import Propagation, move_kind
-from sptransform.graph.sharding import (
-    DimShard, ShardingError, describe, is_split, local_slice_bounds, packet, shape_of, slice_bounds,
-)
+from sptransform.graph.rules import ShardingError, is_split, local_slice_bounds, slice_bounds
+from sptransform.graph.nodes import describe, packet, shape_of
 from sptransform.passes.localize import index_table, localize, localize_split
 from sptransform.runtime.collectives import copy_to_tp, gather_output, gather_seq, reduce_from_tp, scatter_seq, sync_grads
 from sptransform.runtime.ops import (
@@ -491,11 +489,5 @@ def _outputs(gm: fx.GraphModule, prop: Propagation, plan: ParallelPlan) -> None:
     output.args = (tuple(flat),)
 
 
-def vocabulary_placements(vocab: int, tp: int) -> tuple[DimShard, int, int | None]:
-    """(split of a vocabulary of ``vocab`` rows, rows per rank, padded rows or None)."""
-    per_rank = math.ceil(vocab / tp)
-    return DimShard(0, ((0, per_rank * tp),)), per_rank, (per_rank if vocab % tp else None)
-
-
 __all__ = ["ParamPlacement", "Redistribution", "add_rank_input", "apply_placements", "find_local_rewrite",
-           "find_redistributions", "vocabulary_placements"]
+           "find_redistributions"]

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from sptransform.graph.sharding import packet
+from sptransform.graph.nodes import packet
 from sptransform.runtime.ops import take_local, vocab_parallel_cross_entropy, vocab_parallel_embedding
 from sptransform.torch_internals import local_values, maybe_disable_local_tensor_mode, pytree
 

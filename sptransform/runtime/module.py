@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from sptransform.capture import CapturedGraph, InputsRejected, input_signature
 from sptransform.graph.analysis import find_loss_output
 from sptransform.graph.plan import ParallelGraph, ParallelPlan, ParamPlacement
-from sptransform.graph.sharding import DimShard
+from sptransform.graph.placement import DimShard
 from sptransform.options import ParallelOptions
 from sptransform.runtime.zero import data_parallel_placement, regather_saved
 from sptransform.runtime.params import (

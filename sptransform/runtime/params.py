@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from sptransform.graph.sharding import DimShard
+from sptransform.graph.placement import DimShard
 from sptransform.runtime.collectives import note_gradient
 from sptransform.torch_internals import StridedShard, local_tensor_mode, local_values
 

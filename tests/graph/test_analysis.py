@@ -7,7 +7,7 @@ import torch
 
 from sptransform.graph.analysis import analyze
 from sptransform.capture import FakeTemplate, capture
-from sptransform.graph.sharding import DimShard, whole
+from sptransform.graph.placement import DimShard, whole
 from tiny_models import SeqFirstLM, TinyConfig, TinyLM
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import sptransform
 from sptransform.capture import FakeTemplate, capture
 from sptransform.graph.analysis import analyze, find_linears, parameter_placements
-from sptransform.graph.sharding import DimShard
+from sptransform.graph.placement import DimShard
 from sptransform.passes.canonicalize import narrow_as_slice
 
 

@@ -11,9 +11,8 @@ import torch.nn.functional as F
 from sptransform.capture import FakeTemplate, capture
 from sptransform.graph.analysis import constant_nodes
 from sptransform.graph.gradients import gradient_plan
-from sptransform.graph.placement import PARTIAL, REPLICATED
+from sptransform.graph.placement import PARTIAL, REPLICATED, DimShard, whole
 from sptransform.graph.propagate import SequenceSplit, move_kind, propagate
-from sptransform.graph.sharding import DimShard, whole
 from sptransform.passes.canonicalize import remove_dead_code, split_bias
 
 
@@ -338,8 +337,9 @@ def test_a_wrong_foreign_rule_is_caught_by_running_it(monkeypatch):
     """torch 2.13's DTensor accepts ``cumsum(dim=-1)`` on a tensor split along its last dim as still
     split (it compares -1 with 2). Dims are made non-negative before asking; and with that
     normalization switched off, running the op whole and per rank rejects the rule."""
-    import sptransform.graph.dtensor_rules as dtensor_rules
-    from sptransform.graph.rules import _from_dtensor
+    import sptransform.graph.dtensor_rules.args as dtensor_args
+    import sptransform.graph.dtensor_rules.propagate as dtensor_propagate
+    from sptransform.graph.rules.dtensor import dtensor_forward
 
     class Cumsum(nn.Module):
         def forward(self, x):
@@ -348,7 +348,7 @@ def test_a_wrong_foreign_rule_is_caught_by_running_it(monkeypatch):
     captured, _ = _graph(Cumsum(), torch.randn(2, 4, 16))
     node = _node(captured.gm, aten.cumsum)
     x = node.args[0]
-    assert _from_dtensor(node, {x: whole(2, 16)}, 2).output == REPLICATED
-    monkeypatch.setattr(dtensor_rules, "_nonnegative_dims", lambda node, op, args, kwargs: (args, kwargs))
-    monkeypatch.setattr(dtensor_rules, "_PROPAGATE_CACHE", {})
-    assert _from_dtensor(node, {x: whole(2, 16)}, 2) is None
+    assert dtensor_forward(node, {x: whole(2, 16)}, 2).output == REPLICATED
+    monkeypatch.setattr(dtensor_args, "_nonnegative_dims", lambda node, op, args, kwargs: (args, kwargs))
+    monkeypatch.setattr(dtensor_propagate, "_PROPAGATE_CACHE", {})
+    assert dtensor_forward(node, {x: whole(2, 16)}, 2) is None

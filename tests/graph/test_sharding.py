@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from sptransform.graph.sharding import DimShard, reshape_spec, view_groups, whole
+from sptransform.graph.placement import DimShard, whole
+from sptransform.graph.rules import reshape_spec, view_groups
 
 
 def test_view_groups_pair_merged_and_split_dims():

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from sptransform.graph.sharding import DimShard
+from sptransform.graph.placement import DimShard
 from sptransform.passes.canonicalize import narrow_as_slice, remove_dead_code, repeat_grouped_kv, split_bias
 from sptransform.passes.localize import localize
 

@@ -1,0 +1,235 @@
+"""How an op's output dims correspond to its inputs' dims: one ``LinksRule`` per kind of op.
+
+A links rule returns, for each tensor input, ``{out_dim: in_dim}`` of the dims that correspond
+one to one, and the output dims that may not be split (reduced, normalized, contracted or
+sliced). Both directions read it: forward, a split input dim moves to the output dim linked to
+it; backward, an output split asks each input for the dim linked to it. Shapes come from
+``node.meta["val"]``; a dim of size 1 broadcast against a larger one is not linked.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from sptransform.graph.nodes import packet, shape_of
+from sptransform.graph.rules.base import Links, norm_dim
+
+aten = torch.ops.aten
+
+POINTWISE = frozenset({
+    aten.add, aten.sub, aten.mul, aten.div, aten.neg, aten.pow, aten.rsqrt, aten.sqrt,
+    aten.exp, aten.log, aten.tanh, aten.sigmoid, aten.silu, aten.gelu, aten.relu,
+    aten.where, aten.masked_fill, aten.clone, aten.contiguous, aten.alias, aten.detach,
+    aten.to, aten._to_copy, aten.type_as, aten.dropout, aten.eq, aten.ne, aten.lt,
+    aten.le, aten.gt, aten.ge, aten.logical_not, aten.logical_and, aten.bitwise_and,
+    aten.__and__, aten.__or__, aten.abs, aten.clamp, aten.clamp_min, aten.clamp_max,
+    aten.maximum, aten.minimum, aten.erf, aten.reciprocal, aten.square, aten.rsub,
+    aten.sin, aten.cos, aten.lift_fresh_copy, aten.zeros_like, aten.ones_like,
+    aten.full_like, aten.empty_like, aten.rand_like, aten.bernoulli, aten.softmax,
+    aten._softmax, aten.log_softmax, aten._log_softmax, aten.copy, aten.mish,
+    aten.hardtanh, aten.leaky_relu, aten.elu, aten.softplus, aten.sign, aten.floor_divide,
+})
+"""Elementwise ops (with broadcasting), by packet; ops tagged ``torch.Tag.pointwise`` count too.
+The softmaxes are elementwise but for the dim they normalize over."""
+SOFTMAXES = frozenset({aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax})
+REDUCTIONS = frozenset({aten.sum, aten.mean, aten.amax, aten.amin, aten.var, aten.std, aten.var_mean})
+
+
+def _tensor_args(node: fx.Node) -> list[fx.Node]:
+    found = []
+    for a in list(node.args) + list(node.kwargs.values()):
+        items = a if isinstance(a, (list, tuple)) else [a]
+        for x in items:
+            if isinstance(x, fx.Node) and shape_of(x) is not None and x not in found:
+                found.append(x)
+    return found
+
+
+def pointwise_links(node: fx.Node) -> tuple[Links, set[int]]:
+    """Trailing dims line up (broadcasting); a softmax may not be split along its dim."""
+    out = shape_of(node)
+    links = []
+    for arg in _tensor_args(node):
+        shape = shape_of(arg)
+        offset = len(out) - len(shape)
+        links.append((arg, {d + offset: d for d in range(len(shape)) if shape[d] != 1 or out[d + offset] == 1}))
+    forbidden = {norm_dim(node.args[1], len(out))} if packet(node) in SOFTMAXES else set()
+    return links, forbidden
+
+
+def reduction_links(node: fx.Node) -> tuple[Links, set[int]]:
+    """The kept dims link to the input's; reduced dims (kept as size 1 or dropped) do not."""
+    x = node.args[0]
+    n = len(shape_of(x))
+    dims = node.args[1] if len(node.args) > 1 and node.args[1] is not None else list(range(n))
+    dims = {norm_dim(d, n) for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
+    keep = node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False)
+    mapping, o = {}, 0
+    for d in range(n):
+        if d in dims:
+            if keep:
+                o += 1
+            continue
+        mapping[o] = d
+        o += 1
+    return [(x, mapping)], set()
+
+
+def norm_links(node: fx.Node) -> tuple[Links, set[int]]:
+    """``layer_norm``/``rms_norm``: the normalized trailing dims may not be split."""
+    x = node.args[0]
+    n = len(shape_of(x))
+    k = len(node.args[1])
+    return [(x, {d: d for d in range(n - k)})], set(range(n - k, n))
+
+
+def _permuted(x: fx.Node, perm: list[int]) -> tuple[Links, set[int]]:
+    return [(x, {o: perm[o] for o in range(len(perm))})], set()
+
+
+def transpose_links(node: fx.Node) -> tuple[Links, set[int]]:
+    n = len(shape_of(node))
+    a, b = (norm_dim(d, n) for d in node.args[1:3])
+    perm = list(range(n))
+    perm[a], perm[b] = perm[b], perm[a]
+    return _permuted(node.args[0], perm)
+
+
+def t_links(node: fx.Node) -> tuple[Links, set[int]]:
+    """``numpy_T`` reverses every dim; ``mT`` (and ``t`` of a 2-D tensor) swaps the last two."""
+    p = packet(node)
+    n = len(shape_of(node))
+    if p is aten.numpy_T:
+        return _permuted(node.args[0], [n - 1 - o for o in range(n)])
+    if p is aten.mT or n == 2:
+        perm = list(range(n))
+        perm[-1], perm[-2] = perm[-2], perm[-1]
+        return _permuted(node.args[0], perm)
+    return [(node.args[0], {0: 0})], set()
+
+
+def permute_links(node: fx.Node) -> tuple[Links, set[int]]:
+    return _permuted(node.args[0], [norm_dim(d, len(shape_of(node))) for d in node.args[1]])
+
+
+def unsqueeze_links(node: fx.Node) -> tuple[Links, set[int]]:
+    n = len(shape_of(node))
+    k = norm_dim(node.args[1], n)
+    return [(node.args[0], {o: (o if o < k else o - 1) for o in range(n) if o != k})], set()
+
+
+def squeeze_links(node: fx.Node) -> tuple[Links, set[int]]:
+    x = node.args[0]
+    shape = shape_of(x)
+    kept = [d for d in range(len(shape)) if not (shape[d] == 1 and _squeezed(node, d, len(shape)))]
+    return [(x, dict(enumerate(kept)))], set()
+
+
+def _squeezed(node: fx.Node, d: int, ndim: int) -> bool:
+    if len(node.args) < 2:
+        return True
+    dims = node.args[1]
+    dims = dims if isinstance(dims, (list, tuple)) else [dims]
+    return d in {norm_dim(x, ndim) for x in dims}
+
+
+def expand_links(node: fx.Node) -> tuple[Links, set[int]]:
+    x = node.args[0]
+    out, shape = shape_of(node), shape_of(x)
+    offset = len(out) - len(shape)
+    return [(x, {d + offset: d for d in range(len(shape)) if shape[d] == out[d + offset]})], set()
+
+
+def slice_links(node: fx.Node) -> tuple[Links, set[int]]:
+    """Every dim links; the sliced dim may not be split unless the slice takes all of it."""
+    x = node.args[0]
+    out = shape_of(node)
+    d = norm_dim(node.args[1] if len(node.args) > 1 else 0, len(out))
+    full = shape_of(x)[d] == out[d]
+    return [(x, {o: o for o in range(len(out))})], set() if full else {d}
+
+
+def select_links(node: fx.Node) -> tuple[Links, set[int]]:
+    n = len(shape_of(node))
+    d = norm_dim(node.args[1], n + 1)
+    return [(node.args[0], {o: (o if o < d else o + 1) for o in range(n)})], set()
+
+
+def repeat_interleave_links(node: fx.Node) -> tuple[Links, set[int]]:
+    """``out[i] = in[i // repeats]`` along dim: a contiguous split maps to one ``repeats`` times
+    smaller. Repeats given as a tensor: no rule (``KeyError``)."""
+    if not isinstance(node.args[1], int):
+        raise KeyError(packet(node))
+    return [(node.args[0], {o: o for o in range(len(shape_of(node)))})], set()
+
+
+def cat_links(node: fx.Node) -> tuple[Links, set[int]]:
+    n = len(shape_of(node))
+    d = norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), n)
+    return [(t, {o: o for o in range(n) if o != d}) for t in node.args[0]], {d}
+
+
+def index_select_links(node: fx.Node) -> tuple[Links, set[int]]:
+    n = len(shape_of(node))
+    return [(node.args[0], {o: o for o in range(n)})], {norm_dim(node.args[1], n)}
+
+
+def matmul_links(node: fx.Node) -> tuple[Links, set[int]]:
+    """``mm``/``bmm``/``matmul``: rows link to ``a``, columns to ``b``, batch dims to whichever
+    operand has them unbroadcast; the contracted dim is no output dim."""
+    a, b = node.args[0], node.args[1]
+    sa, sb, out = shape_of(a), shape_of(b), shape_of(node)
+    n = len(out)
+    la, lb = {}, {}
+    if len(sa) >= 2:
+        la[n - 2] = len(sa) - 2
+    if len(sb) >= 2:
+        lb[n - 1] = len(sb) - 1
+    for o in range(n - 2):
+        for shape, links in ((sa, la), (sb, lb)):
+            d = o - (n - len(shape))
+            if 0 <= d < len(shape) - 2 and shape[d] == out[o]:
+                links[o] = d
+    return [(a, la), (b, lb)], set()
+
+
+def linear_links(node: fx.Node) -> tuple[Links, set[int]]:
+    """``linear(x, w, b)``: tokens link to ``x``, output features to ``w``'s rows and ``b``."""
+    x, w = node.args[0], node.args[1]
+    n = len(shape_of(node))
+    links = [(x, {o: o for o in range(n - 1)}), (w, {n - 1: 0})]
+    if len(node.args) > 2 and node.args[2] is not None:
+        links.append((node.args[2], {n - 1: 0}))
+    return links, set()
+
+
+def addmm_links(node: fx.Node) -> tuple[Links, set[int]]:
+    bias, x, w = node.args[:3]
+    sb = shape_of(bias)
+    return [(x, {0: 0}), (w, {1: 1}), (bias, {1: len(sb) - 1} if sb and sb[-1] != 1 else {})], set()
+
+
+def sdpa_links(node: fx.Node) -> tuple[Links, set[int]]:
+    """q, k, v link along batch and head dims (K/V may broadcast or hold fewer, grouped heads),
+    v's features to the output's; the mask links where it is not broadcast. The output's feature
+    dim may not be split: q and k are contracted over theirs."""
+    q, k, v = node.args[:3]
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    out = shape_of(node)
+    n = len(out)
+    sk = shape_of(k)
+    kv = {o: o for o in range(n - 2) if sk[o] != 1 or out[o] == 1}
+    links = [(q, {o: o for o in range(n - 1)}), (k, kv), (v, kv | {n - 1: n - 1})]
+    if isinstance(mask, fx.Node):
+        sm = shape_of(mask)
+        off = n - len(sm)
+        links.append((mask, {o: o - off for o in range(off, n - 1) if sm[o - off] != 1}))
+    return links, {n - 1}
+
+
+def embedding_links(node: fx.Node) -> tuple[Links, set[int]]:
+    """Token dims link to the ids, the feature dim to the weight's columns."""
+    w, ids = node.args[0], node.args[1]
+    n = len(shape_of(node))
+    return [(ids, {o: o for o in range(n - 1)}), (w, {n - 1: 1})], set()

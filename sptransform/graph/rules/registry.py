@@ -1,0 +1,174 @@
+"""The one registry of per-op sharding knowledge, and the two questions everything asks it.
+
+``RULES`` maps an op overload packet to its ``OpRule``: how its output dims link to its inputs'
+(``links``), our forward rule, our backward rule, and whether partial sums pass through it. An
+op tagged ``torch.Tag.pointwise`` that is not listed gets ``POINTWISE``. Where an entry has no
+rule for a direction (or its rule declines the call), DTensor's registered strategies answer,
+through the one bridge ``graph.rules.dtensor``.
+
+``forward_rule(node, placement_of, ctx)`` (asked by ``graph.propagate`` for every op, in graph
+order) answers with a ``Decision``. In order:
+
+1. every tensor input replicated -> the op runs as is, output replicated (any op);
+2. our forward rule, for the ops the training IR keeps whole and the ones whose splits we track
+   in fused segments: views, layout and pointwise ops, reductions, splits, matmuls (a
+   contraction over split dims is a partial sum), norms, softmax, SDPA, embedding and
+   cross-entropy (vocabulary-parallel);
+3. DTensor's strategies for every other ATen op;
+4. none applies: every input is gathered to replicated and the op runs whole on every rank.
+
+Rule 4 is always correct for a deterministic op (each rank computes the single-device value),
+so an op nobody wrote a rule for costs communication, never correctness. Partial sums pass
+only through ops that move data (``moves_data_only``); anywhere else they must be reduced
+first, and the propagation chooses how: all-reduce to replicated, or reduce-scatter to the
+sequence split under sequence parallelism.
+
+``input_specs_for_output(node, spec, tp)`` (asked by ``graph.analysis``'s region walk, walking
+back from a row-parallel linear) says how each tensor input must be split for the output to be
+split as ``spec``: our backward rule, else DTensor's strategies, else ``ShardingError``.
+
+The entries keep the two directions' coverage as it was: DTensor answers forward for the
+pointwise ops that torch does not tag pointwise (``zeros_like``, ``rand_like``, ``bernoulli``,
+...), and backward for splits and cross-entropy, whose backward the region walk handles itself
+(``geometry.split_input_spec``) or never asks.
+
+Nothing here reads names: op overload packets and ``node.meta["val"]`` shapes only.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from sptransform.graph.nodes import packet
+from sptransform.graph.placement import PARTIAL, REPLICATED, DimShard
+from sptransform.graph.rules.backward import linked_backward, view_backward
+from sptransform.graph.rules.base import (
+    Decision, OpRule, RuleContext, ShardingError, replicated_like, same_for_each_output, tensor_inputs,
+)
+from sptransform.graph.rules.dtensor import dtensor_backward, dtensor_forward
+from sptransform.graph.rules.forward import (
+    cross_entropy_forward, embedding_forward, linked_forward, matmul_forward, reduction_forward, sdpa_forward,
+    slice_forward, split_forward, view_forward,
+)
+from sptransform.graph.rules.geometry import SPLIT_PACKETS, VIEWS
+from sptransform.graph.rules.links import (
+    POINTWISE as POINTWISE_PACKETS, REDUCTIONS, addmm_links, reduction_links, cat_links, embedding_links, expand_links,
+    index_select_links, linear_links, matmul_links, norm_links, permute_links, pointwise_links,
+    repeat_interleave_links, sdpa_links, select_links, slice_links, squeeze_links, t_links, transpose_links,
+    unsqueeze_links,
+)
+from sptransform.torch_internals import OpOverload
+
+aten = torch.ops.aten
+
+PlacementOf = Callable[[fx.Node], object]
+
+
+def _is_pointwise(node: fx.Node) -> bool:
+    return isinstance(node.target, OpOverload) and torch.Tag.pointwise in node.target.tags
+
+
+def _if_tagged_pointwise(node, links, current, ctx) -> Decision | None:
+    """Listed as elementwise but not tagged so by torch for every overload: our rule only for
+    the tagged overloads, DTensor's for the others."""
+    return linked_forward(node, links, current, ctx) if _is_pointwise(node) else None
+
+
+POINTWISE = OpRule(pointwise_links, linked_forward, linked_backward)
+
+_LAYOUT = {  # only move data: (links, partial sums pass)
+    aten.transpose: transpose_links, aten.t: t_links, aten.numpy_T: t_links, aten.mT: t_links,
+    aten.permute: permute_links, aten.unsqueeze: unsqueeze_links, aten.squeeze: squeeze_links,
+    aten.expand: expand_links,
+}
+_COPIES = {aten.clone, aten.contiguous, aten.alias, aten.detach, aten.to, aten._to_copy, aten.type_as,
+           aten.lift_fresh_copy}
+_LINKED_POINTWISE = _COPIES | {aten.where, aten.masked_fill, aten.dropout, aten.softmax, aten._softmax,
+                               aten.log_softmax, aten._log_softmax}
+
+RULES: dict[object, OpRule] = {
+    **{p: OpRule(pointwise_links, linked_forward if p in _LINKED_POINTWISE else _if_tagged_pointwise,
+                 linked_backward, moves_data_only=p in _COPIES) for p in POINTWISE_PACKETS},
+    **{p: OpRule(links, linked_forward, linked_backward, moves_data_only=True) for p, links in _LAYOUT.items()},
+    **{p: OpRule(None, view_forward, view_backward, moves_data_only=True) for p in VIEWS},
+    **{p: OpRule(reduction_links, reduction_forward, linked_backward) for p in REDUCTIONS},
+    **{p: OpRule(None, split_forward, None) for p in SPLIT_PACKETS},
+    aten.layer_norm: OpRule(norm_links, linked_forward, linked_backward),
+    aten.rms_norm: OpRule(norm_links, linked_forward, linked_backward),
+    aten.slice: OpRule(slice_links, slice_forward, linked_backward),
+    aten.select: OpRule(select_links, linked_forward, linked_backward),
+    aten.repeat_interleave: OpRule(repeat_interleave_links, linked_forward, linked_backward),
+    aten.cat: OpRule(cat_links, linked_forward, linked_backward),
+    aten.index_select: OpRule(index_select_links, linked_forward, linked_backward),
+    aten.mm: OpRule(matmul_links, matmul_forward, linked_backward),
+    aten.bmm: OpRule(matmul_links, matmul_forward, linked_backward),
+    aten.matmul: OpRule(matmul_links, matmul_forward, linked_backward),
+    aten.linear: OpRule(linear_links, matmul_forward, linked_backward),
+    aten.addmm: OpRule(addmm_links, matmul_forward, linked_backward),
+    aten.scaled_dot_product_attention: OpRule(sdpa_links, sdpa_forward, linked_backward),
+    aten.embedding: OpRule(embedding_links, embedding_forward, linked_backward),
+    aten.cross_entropy_loss: OpRule(None, cross_entropy_forward, None),
+}
+
+
+def rule_for(node: fx.Node) -> OpRule | None:
+    """The registry's entry for ``node``'s op (None: DTensor's strategies are all there is)."""
+    if node.op != "call_function":
+        return None
+    rule = RULES.get(packet(node))
+    if rule is None and _is_pointwise(node):
+        return POINTWISE
+    return rule
+
+
+def forward_rule(node: fx.Node, placement_of: PlacementOf, ctx: RuleContext) -> Decision | None:
+    """Where ``node``'s inputs must live and where its output lives (see module docstring).
+
+    ``None`` when a partial-sum input must be reduced first (the op is not linear in it):
+    the caller chooses the reduction and asks again."""
+    if node.target is operator.getitem:
+        parent, index = node.args
+        placement = placement_of(parent)
+        return Decision({}, placement[index] if isinstance(placement, tuple) else placement)
+    inputs = tensor_inputs(node)
+    current = {a: placement_of(a) for a in inputs}
+    if all(p == REPLICATED for p in current.values()):
+        return Decision({a: REPLICATED for a in inputs}, replicated_like(node), "replicated")
+    rule = rule_for(node)
+    if PARTIAL in current.values():
+        # Partial sums move through data movement only (views, transposes, casts), and only when
+        # that is their one reader: with several, one reduction at the source serves them all.
+        # Anything else, even a linear op, reads them reduced: the caller chooses the reduction.
+        if rule is not None and rule.moves_data_only and len(current) == 1 and len(inputs[0].users) == 1:
+            return Decision({a: PARTIAL for a in inputs}, same_for_each_output(node, PARTIAL))
+        return None
+    decision = None
+    if rule is not None and rule.forward is not None:
+        decision = rule.forward(node, rule.links, current, ctx)
+    if decision is None:
+        decision = dtensor_forward(node, current, ctx.tp)
+    return decision if decision is not None else gather_all(node, inputs)
+
+
+def gather_all(node: fx.Node, inputs: list[fx.Node]) -> Decision:
+    """Rule 4: every input replicated, the op runs whole."""
+    return Decision({a: REPLICATED for a in inputs}, replicated_like(node), "gather")
+
+
+def input_specs_for_output(node: fx.Node, spec: DimShard, tp: int) -> list[tuple[fx.Node, object]]:
+    """How each tensor input of ``node`` must be split so that its output is split as ``spec``:
+    ``[(input, split | None | CUT)]``, None for an input read whole, ``CUT`` for one computed
+    whole and cut where it is read. ``ShardingError`` when no rule can split the output so."""
+    rule = rule_for(node)
+    if rule is not None and rule.backward is not None:
+        wanted = rule.backward(node, rule.links, spec, tp)
+        if wanted is not None:
+            return wanted
+    return dtensor_backward(node, spec)
+
+
+__all__ = ["POINTWISE", "RULES", "ShardingError", "forward_rule", "gather_all", "input_specs_for_output", "rule_for"]

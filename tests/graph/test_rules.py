@@ -1,0 +1,283 @@
+"""The sharding rule registry (``graph.rules``) on hand-built graphs of one op each: the forward
+answer (where the output lives given the inputs' placements), the backward answer (how the
+inputs must be split for the output to be split so), the DTensor fallback, and that the two
+directions agree: the inputs the backward rule asks for, pushed forward, give the output split."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sptransform.graph.placement import PARTIAL, REPLICATED, DimShard, whole
+from sptransform.graph.propagate import propagate
+from sptransform.graph.rules import (
+    CUT, RULES, RuleContext, ShardingError, forward_rule, input_specs_for_output, rule_for, slices_input_spec,
+    split_input_spec,
+)
+from sptransform.graph.rules.dtensor import check_by_running
+
+aten = torch.ops.aten
+
+
+def _graph(fn, *inputs) -> fx.GraphModule:
+    """``fn`` traced with its aten calls kept as they are, every node's value in ``meta["val"]``."""
+    gm = fx.symbolic_trace(fn)
+
+    class Record(fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            n.meta["val"] = out
+            return out
+
+    Record(gm).run(*inputs)
+    return gm
+
+
+def _op(gm, packet):
+    return next(n for n in gm.graph.nodes if n.op == "call_function" and n.target.overloadpacket is packet)
+
+
+def _inputs(gm):
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _forward(node, placements: dict, *, tp=2, constant=()):
+    ctx = RuleContext(tp=tp, is_constant=lambda n: n in constant)
+    return forward_rule(node, lambda n: placements.get(n, REPLICATED), ctx)
+
+
+def _backward(node, spec, tp=2) -> dict:
+    return dict(input_specs_for_output(node, spec, tp))
+
+
+# ---------------------------------------------------------------------------
+# views
+
+
+def test_a_view_carries_a_split_across_merged_dims_both_ways():
+    gm = _graph(lambda x: aten.view.default(x, [24, 8]), torch.randn(4, 6, 8))
+    (x,), view = _inputs(gm), _op(gm, aten.view)
+    assert _forward(view, {x: whole(2, 8)}).output == whole(1, 8)
+    assert _forward(view, {x: whole(0, 4)}).output == whole(0, 24)  # rank r holds rows [12r, 12r + 12)
+    assert _backward(view, whole(1, 8)) == {x: whole(2, 8)}
+    assert _backward(view, whole(0, 24)) == {x: whole(0, 4)}
+
+
+def test_a_view_that_cannot_keep_the_split_is_refused_backward_and_gathered_forward():
+    gm = _graph(lambda x: aten.view.default(x, [2, 12]), torch.randn(4, 6))
+    (x,), view = _inputs(gm), _op(gm, aten.view)
+    decision = _forward(view, {x: whole(0, 4)}, tp=4)  # one row per rank: half a row of the view
+    assert decision.output == REPLICATED and decision.needs == {x: REPLICATED}
+    try:
+        _backward(view, whole(0, 2), tp=4)
+    except ShardingError as err:
+        assert "reshape" in str(err)
+    else:
+        raise AssertionError("a 3-row dim was split over 4 ranks")
+
+
+# ---------------------------------------------------------------------------
+# pointwise, broadcasting
+
+
+def test_pointwise_with_broadcasting_cuts_the_broadcast_operand_only_where_it_has_the_dim():
+    gm = _graph(lambda x, b: aten.add.Tensor(x, b), torch.randn(4, 8), torch.randn(8))
+    (x, b), add = _inputs(gm), _op(gm, aten.add)
+    decision = _forward(add, {x: whole(1, 8)})
+    assert decision.output == whole(1, 8) and decision.needs == {x: whole(1, 8), b: whole(0, 8)}
+    decision = _forward(add, {x: whole(0, 4)})
+    assert decision.output == whole(0, 4) and decision.needs[b] == REPLICATED  # b has no row dim
+    assert _backward(add, whole(1, 8)) == {x: whole(1, 8), b: whole(0, 8)}
+    assert _backward(add, whole(0, 4)) == {x: whole(0, 4), b: None}
+
+
+def test_softmax_may_not_be_split_along_the_dim_it_normalizes():
+    gm = _graph(lambda x: aten._softmax.default(x, -1, False), torch.randn(4, 8))
+    (x,), softmax = _inputs(gm), _op(gm, aten._softmax)
+    assert _forward(softmax, {x: whole(0, 4)}).output == whole(0, 4)
+    assert _forward(softmax, {x: whole(1, 8)}).output == REPLICATED
+    try:
+        _backward(softmax, whole(1, 8))
+    except ShardingError as err:
+        assert "normalizes" in str(err)
+    else:
+        raise AssertionError("softmax split along its dim")
+
+
+# ---------------------------------------------------------------------------
+# contractions
+
+
+def test_a_column_split_weight_splits_the_linear_output_and_a_row_split_one_makes_a_partial_sum():
+    gm = _graph(lambda x, w: aten.linear.default(x, w), torch.randn(2, 3, 8), torch.randn(16, 8))
+    (x, w), linear = _inputs(gm), _op(gm, aten.linear)
+    column = _forward(linear, {w: whole(0, 16)}, constant={w})
+    assert column.output == whole(2, 16) and column.needs == {x: REPLICATED, w: whole(0, 16)}
+    row = _forward(linear, {x: whole(2, 8), w: whole(1, 8)}, constant={w})
+    assert row.output == PARTIAL and row.needs == {x: whole(2, 8), w: whole(1, 8)}
+    assert _backward(linear, whole(2, 16)) == {x: None, w: whole(0, 16)}
+    assert _backward(linear, whole(1, 3)) == {x: whole(1, 3), w: None}
+
+
+def test_mm_over_split_contracted_dims_is_a_partial_sum():
+    gm = _graph(lambda a, b: aten.mm.default(a, b), torch.randn(4, 8), torch.randn(8, 6))
+    (a, b), mm = _inputs(gm), _op(gm, aten.mm)
+    assert _forward(mm, {a: whole(1, 8), b: whole(0, 8)}).output == PARTIAL
+    assert _forward(mm, {b: whole(1, 6)}).output == whole(1, 6)
+    assert _backward(mm, whole(0, 4)) == {a: whole(0, 4), b: None}
+
+
+def test_a_partial_sum_passes_through_a_view_but_is_reduced_before_a_pointwise_op():
+    gm = _graph(lambda x: aten.relu.default(aten.view.default(x, [8, 2])), torch.randn(4, 4))
+    (x,), view, relu = _inputs(gm), _op(gm, aten.view), _op(gm, aten.relu)
+    assert _forward(view, {x: PARTIAL}).output == PARTIAL
+    assert _forward(relu, {view: PARTIAL}) is None  # the caller chooses the reduction
+    assert RULES[aten.view].moves_data_only and not RULES[aten.relu].moves_data_only
+
+
+# ---------------------------------------------------------------------------
+# reductions
+
+
+def test_a_sum_over_the_split_dim_is_partial_and_a_mean_over_it_runs_whole():
+    x_val = torch.randn(4, 8)
+    gm = _graph(lambda x: (aten.sum.dim_IntList(x, [1]), aten.mean.dim(x, [1])), x_val)
+    (x,), total, mean = _inputs(gm), _op(gm, aten.sum), _op(gm, aten.mean)
+    assert _forward(total, {x: whole(1, 8)}).output == PARTIAL
+    assert _forward(total, {x: whole(0, 4)}).output == whole(0, 4)
+    assert _forward(mean, {x: whole(1, 8)}).output == REPLICATED
+    assert _backward(total, whole(0, 4)) == {x: whole(0, 4)}
+
+
+# ---------------------------------------------------------------------------
+# splits and slices of a fused dim
+
+
+def test_split_chunks_of_a_fused_dim_take_their_segments_and_the_walk_back_rebuilds_them():
+    gm = _graph(lambda x: aten.split.Tensor(x, 8, -1), torch.randn(3, 24))
+    (x,), split = _inputs(gm), _op(gm, aten.split)
+    fused = DimShard(1, ((0, 8), (8, 8), (16, 8)))
+    decision = _forward(split, {x: fused})
+    assert decision.output == (whole(1, 8),) * 3
+    assert split_input_spec(split, {0: whole(1, 8), 1: whole(1, 8), 2: whole(1, 8)}) == fused
+    assert split_input_spec(split, {1: whole(1, 8)}) == DimShard(1, ((0, 8), (8, 8), (16, 8)))
+
+
+def test_a_slice_of_a_fused_dim_keeps_the_segments_it_takes_whole():
+    gm = _graph(lambda x: aten.slice.Tensor(x, 1, 8, 16), torch.randn(3, 24))
+    (x,), piece = _inputs(gm), _op(gm, aten.slice)
+    fused = DimShard(1, ((0, 8), (8, 8), (16, 8)))
+    assert _forward(piece, {x: fused}).output == whole(1, 8)
+    assert _forward(piece, {x: whole(1, 24)}).output == REPLICATED  # the slice cuts through rank 0's part
+    assert slices_input_spec(24, 1, [(8, whole(1, 8))], 2) == fused
+
+
+# ---------------------------------------------------------------------------
+# attention, embedding
+
+
+def test_sdpa_splits_heads_and_grouped_kv_heads_split_with_them():
+    q, kv = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8)
+    gm = _graph(lambda q, k, v: aten.scaled_dot_product_attention.default(q, k, v, enable_gqa=True), q, kv, kv)
+    (qn, kn, vn), sdpa = _inputs(gm), _op(gm, aten.scaled_dot_product_attention)
+    decision = _forward(sdpa, {qn: whole(1, 4), kn: whole(1, 2), vn: whole(1, 2)})
+    assert decision.output == whole(1, 4) and decision.needs == {qn: whole(1, 4), kn: whole(1, 2), vn: whole(1, 2)}
+    assert _backward(sdpa, whole(1, 4)) == {qn: whole(1, 4), kn: whole(1, 2), vn: whole(1, 2)}
+    assert _backward(sdpa, whole(1, 4), tp=4)[kn] is CUT  # 2 K/V heads over 4 ranks: computed whole, cut
+
+
+def test_a_vocabulary_split_embedding_is_a_partial_sum_and_a_feature_split_follows_the_weight():
+    gm = _graph(lambda w, ids: aten.embedding.default(w, ids), torch.randn(10, 8), torch.randint(0, 10, (2, 3)))
+    (w, ids), embedding = _inputs(gm), _op(gm, aten.embedding)
+    assert _forward(embedding, {w: whole(0, 10)}).output == PARTIAL
+    assert _backward(embedding, whole(2, 8)) == {ids: None, w: whole(1, 8)}
+    assert _backward(embedding, whole(0, 2)) == {ids: whole(0, 2), w: None}
+
+
+# ---------------------------------------------------------------------------
+# the DTensor fallback
+
+
+def test_an_op_without_a_rule_of_ours_is_answered_by_dtensor_in_both_directions():
+    gm = _graph(lambda x: aten.cumsum.default(x, 0), torch.randn(4, 8))
+    (x,), cumsum = _inputs(gm), _op(gm, aten.cumsum)
+    assert rule_for(cumsum) is None
+    decision = _forward(cumsum, {x: whole(1, 8)})
+    assert decision.source == "dtensor" and decision.output == whole(1, 8) and decision.note is None
+    along = _forward(cumsum, {x: whole(0, 4)})  # a running sum along the split dim: DTensor gathers it
+    assert along.output == REPLICATED and along.needs == {x: REPLICATED}
+    assert _backward(cumsum, whole(1, 8)) == {x: whole(1, 8)}
+
+
+def test_a_dtensor_decision_that_cannot_be_checked_by_running_it_says_so():
+    big = _graph(lambda x: aten.cumsum.default(x, 0), torch.randn(4, 20000))
+    (x,), cumsum = _inputs(big), _op(big, aten.cumsum)
+    decision = _forward(cumsum, {x: whole(1, 20000)})
+    assert decision.output == whole(1, 20000)  # kept: the placements stay those of before
+    assert "unchecked" in decision.note and "elements" in decision.note
+    result = propagate(big, {x: whole(1, 20000)}, tp=2, constant=set(), sequence=None)
+    assert "unchecked" in result.notes[cumsum]
+
+
+def test_the_numeric_check_gives_a_reason_whenever_it_does_not_run():
+    gm = _graph(lambda ids: aten.cumsum.default(ids, 0), torch.randint(0, 5, (4, 8)))
+    (ids,), cumsum = _inputs(gm), _op(gm, aten.cumsum)
+    decision = _forward(cumsum, {ids: whole(1, 8)})
+    agrees, why = check_by_running(cumsum, decision, 2)
+    assert agrees and "integer" in why
+    small = _graph(lambda x: aten.cumsum.default(x, 0), torch.randn(4, 8))
+    (x,), op = _inputs(small), _op(small, aten.cumsum)
+    assert check_by_running(op, _forward(op, {x: whole(1, 8)}), 2) == (True, None)
+
+
+# ---------------------------------------------------------------------------
+# the two directions agree
+
+
+def _case(kind: str, sizes: list[int], bias: bool):
+    a, b, c = sizes
+    if kind == "view":
+        return _graph(lambda x: aten.view.default(x, [a * b, c]), torch.randn(a, b, c)), aten.view
+    if kind == "add":
+        return _graph(lambda x, y: aten.add.Tensor(x, y), torch.randn(a, b, c), torch.randn(b, 1)), aten.add
+    if kind == "permute":
+        return _graph(lambda x: aten.permute.default(x, [2, 0, 1]), torch.randn(a, b, c)), aten.permute
+    if kind == "linear":
+        x, w = torch.randn(a, b), torch.randn(c, b)
+        if bias:
+            return _graph(lambda x, w, bb: aten.linear.default(x, w, bb), x, w, torch.randn(c)), aten.linear
+        return _graph(lambda x, w: aten.linear.default(x, w), x, w), aten.linear
+    if kind == "sum":
+        return _graph(lambda x: aten.sum.dim_IntList(x, [1], bias), torch.randn(a, b, c)), aten.sum
+    if kind == "sdpa":
+        q = torch.randn(a, b, c, 4)
+        return _graph(lambda q, k, v: aten.scaled_dot_product_attention.default(q, k, v), q, q, q), \
+            aten.scaled_dot_product_attention
+    if kind == "embedding":
+        return _graph(lambda w, ids: aten.embedding.default(w, ids), torch.randn(7, c),
+                      torch.randint(0, 7, (a, b))), aten.embedding
+    return _graph(lambda x: aten.cumsum.default(x, 0), torch.randn(a, b, c)), aten.cumsum  # DTensor's
+
+
+@settings(derandomize=True, max_examples=60, deadline=None)
+@given(
+    kind=st.sampled_from(["view", "add", "permute", "linear", "sum", "sdpa", "embedding", "cumsum"]),
+    sizes=st.lists(st.sampled_from([2, 4, 6]), min_size=3, max_size=3),
+    bias=st.booleans(),
+    dim=st.integers(0, 3),
+)
+def test_the_backward_answer_pushed_forward_gives_back_the_output_split(kind, sizes, bias, dim):
+    gm, packet = _case(kind, sizes, bias)
+    node = _op(gm, packet)
+    shape = node.meta["val"].shape
+    dim = dim % len(shape)
+    spec = whole(dim, shape[dim])
+    try:
+        wanted = input_specs_for_output(node, spec, 2)
+    except ShardingError:
+        return  # the output cannot be split along this dim (a summed or normalized dim)
+    placements = {arg: s for arg, s in wanted if isinstance(s, DimShard)}
+    constant = set(_inputs(gm)[1:]) if kind == "linear" else set()  # the weight and bias
+    assert _forward(node, placements, constant=constant).output == spec, (kind, sizes, dim, wanted)
