@@ -16,11 +16,11 @@ from sptransform.graph.analysis import constant_nodes
 from sptransform.graph.gradients import gradient_plan
 from sptransform.graph.plan import ParallelPlan
 from sptransform.graph.propagate import SequenceSplit, propagate
-from sptransform.graph.sharding import DimShard, ShardingError, whole
+from sptransform.graph.placement import DimShard, whole
+from sptransform.graph.rules import ShardingError
 from sptransform.passes.canonicalize import remove_dead_code
 from sptransform.passes.tensor_parallel import (
     add_rank_input, apply_placements, check_local_shapes, find_local_rewrite, find_redistributions,
-    vocabulary_placements,
 )
 from sptransform.runtime.collectives import reduce_from_tp, scatter_seq
 
@@ -138,11 +138,6 @@ def test_a_split_vocabulary_makes_a_vocab_parallel_embedding_and_loss():
     (loss,) = _ops(captured.gm, aten.cross_entropy_loss.default)
     assert find_local_rewrite(embedding, prop) == "vocab_embedding"
     assert find_local_rewrite(loss, prop) == "vocab_loss"
-
-
-def test_vocabulary_placements_pad_only_a_vocabulary_tp_does_not_divide():
-    assert vocabulary_placements(64, 2) == (whole(0, 64), 32, None)
-    assert vocabulary_placements(61, 2) == (whole(0, 62), 31, 31)
 
 
 # ---------------------------------------------------------------------------
