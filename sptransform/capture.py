@@ -25,6 +25,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from sptransform.copying import faithful_deepcopy
 from sptransform.graph.nodes import describe
+from sptransform.torch_internals import autograd_function_class, op_schema
 from sptransform.torch_internals import (
     FakeTensor, FakeTensorMode, OpOverload, StorageWeakRef, disable_current_modes, free_unbacked_symbols, maybe_disable_local_tensor_mode, pytree,
     quiet_fake_tensor_meta_failures, tracing_limit_errors,
@@ -463,7 +464,7 @@ def _aliased_input(node: fx.Node) -> fx.Node | None:
     if node.target is operator.getitem:
         source = node.args[0]
         return source if isinstance(source, fx.Node) and _aliased_input(source) is not None else None
-    schema = getattr(node.target, "_schema", None)
+    schema = op_schema(node.target)
     if schema is None:
         return None
     values = list(node.args) + [node.kwargs.get(a.name) for a in schema.arguments[len(node.args):]]
@@ -475,7 +476,7 @@ def _aliased_input(node: fx.Node) -> fx.Node | None:
 
 def _written_inputs(node: fx.Node) -> list[fx.Node]:
     """The inputs an op writes into (``Tensor(a!)`` in its schema: ``copy_``, ``add_``, ``out=``)."""
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    schema = op_schema(node.target) if node.op == "call_function" else None
     if schema is None or not schema.is_mutable:
         return []
     values = list(node.args) + [node.kwargs.get(a.name) for a in schema.arguments[len(node.args):]]
@@ -552,7 +553,7 @@ def _refuse_custom_autograd_functions(template: "FakeTemplate", args: tuple, kwa
         if fn is None or fn in seen:
             continue
         seen.add(fn)
-        forward_cls = getattr(fn, "_forward_cls", None)
+        forward_cls = autograd_function_class(fn)
         if forward_cls is not None:
             name = f"{forward_cls.__module__}.{forward_cls.__qualname__}"
             if name not in _EXACT_BACKWARD:

@@ -25,10 +25,12 @@ import threading
 import types
 from typing import Any, Iterator
 
+from sptransform.torch_internals import deepcopy_dispatch_table
+
 _LOCK = threading.Lock()
 # Why the module-level dispatch table: ``copy.deepcopy`` looks a function's type up there before
 # ``__deepcopy__`` or ``__reduce_ex__``, and a function object cannot carry its own hook.
-_DISPATCH = copy._deepcopy_dispatch  # noqa: SLF001 (stdlib, not torch)
+_DISPATCH = deepcopy_dispatch_table()
 
 
 def faithful_deepcopy(obj: Any, memo: dict[int, Any] | None = None) -> Any:

@@ -351,6 +351,65 @@ def tracing_limit_errors() -> tuple[type[BaseException], ...]:
             UnsupportedOperatorException, GuardOnDataDependentSymNode)
 
 
+# -- private attributes of public objects ------------------------------------------------------
+# ``tests/test_torch_internals.py`` finds any ``x._name`` read outside this module whose
+# ``_name`` sptransform does not define itself, however ``x`` is spelled: each such read lives here.
+
+
+def op_schema(target):
+    """The ``FunctionSchema`` of an ATen ``OpOverload`` (``OpOverload._schema``), or None for any
+    other callable: graph passes read argument names, defaults and aliasing from it. Public
+    replacement: none in 2.13 (``torch._C._get_schema`` is private too)."""
+    return getattr(target, "_schema", None)
+
+
+def op_qualified_name(target) -> str:
+    """``"aten.<op>.<overload>"`` of an ATen ``OpOverload`` (``_opname``, ``_overloadname``).
+    Public replacement: ``str(target)`` spells it with namespace prefixes that differ by op kind."""
+    return f"aten.{target._opname}.{target._overloadname}"
+
+
+def autograd_function_class(backward_fn):
+    """The ``torch.autograd.Function`` subclass behind a backward node (``_forward_cls``), or
+    None for a built-in op's node: capture names custom functions whose backward it cannot
+    trace. Public replacement: none."""
+    return getattr(backward_fn, "_forward_cls", None)
+
+
+def extract_fwd_bwd_modules(joint, saved_values, *, saved_sym_nodes, num_fwd_outputs):
+    """Split a joint graph into forward and backward modules around the tensors the forward
+    saves (``partitioners._extract_fwd_bwd_modules``): our remat plan chooses what is saved,
+    torch's extraction builds the two graphs exactly as its own partitioners do. Public
+    replacement: none (the partitioners' public entry points choose the saved set themselves)."""
+    return partitioners._extract_fwd_bwd_modules(joint, saved_values, saved_sym_nodes=saved_sym_nodes,
+                                                 num_fwd_outputs=num_fwd_outputs)
+
+
+def wrap_with_op_strategy(propagator, schema):
+    """DTensor's ``ShardingPropagator._wrap_with_op_strategy``: an ``OpSchema`` of specs turned
+    into the schema of strategies that strategy functions take, so we can enumerate every
+    strategy of an op (DTensor itself only picks one at dispatch). Public replacement: none."""
+    return propagator._wrap_with_op_strategy(schema)
+
+
+def propagate_through_decomposition(decomp_strategy, schema, placements, device_type: str):
+    """DTensor's ``DecompShardingStrategy``: the output placements of an op without a rule of its
+    own, found by running its decomposition on a fake mesh (``_get_fake_mesh``,
+    ``_propagate_through_decomp``). Public replacement: none (DTensor runs it only at dispatch)."""
+    fake_mesh = decomp_strategy._get_fake_mesh(device_type)
+    return decomp_strategy._propagate_through_decomp(schema, placements, fake_mesh)
+
+
+def deepcopy_dispatch_table() -> dict:
+    """``copy._deepcopy_dispatch`` (the standard library's, not torch's; here so that every private
+    API the package reads sits in one module): ``copy.deepcopy`` looks a function's type up there
+    before ``__deepcopy__`` or ``__reduce_ex__``, and a function object cannot carry a hook of its
+    own, so ``faithful_deepcopy`` installs one there while it copies. Public replacement: none."""
+    import copy
+
+    return copy._deepcopy_dispatch
+
+
 __all__ = [
     "DTensorSpec", "DecompShardingStrategy", "GuardOnDataDependentSymNode", "OpOverload", "OpSchema",
     "RuntimeSchemaInfo", "TensorMeta", "TupleStrategy", "abstract_device_mesh", "disable_current_modes",
@@ -366,5 +425,7 @@ __all__ = [
     "maybe_disable_local_tensor_mode", "min_cut_rematerialization_partition", "partitioners", "pytree",
     "queue_backward_callback", "quiet_fake_tensor_meta_failures", "resolve_process_group", "run_and_save_rng_state",
     "run_with_rng_state", "stage_forward_cache", "stride_reporting", "tensor_map", "tracing_limit_errors",
+    "autograd_function_class", "deepcopy_dispatch_table", "extract_fwd_bwd_modules", "op_qualified_name", "op_schema",
+    "propagate_through_decomposition", "wrap_with_op_strategy",
 ]
 

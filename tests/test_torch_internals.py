@@ -13,43 +13,123 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "sptransform"
 
 
-def _private(dotted: str) -> bool:
-    return any(part.startswith("_") and not part.startswith("__") for part in dotted.split("."))
+def _private(name: str) -> bool:
+    return any(part.startswith("_") and not part.startswith("__") for part in name.split("."))
 
 
-def _private_uses(path: pathlib.Path) -> list[str]:
-    """Imports of private torch/functorch modules or names, and ``torch._x`` attribute chains."""
+# Operators are reached as attributes of their namespace (``aten._softmax``,
+# ``torch.ops._c10d_functional.wait_tensor``): those are names in the dispatcher's operator
+# registry, which a graph pass must match on, not private Python APIs.
+_OP_NAMESPACES = ("aten", "prims", "ops")
+
+
+def _chain(node: ast.AST) -> list[str]:
+    """``torch.ops.aten._softmax`` -> ["torch", "ops", "aten", "_softmax"]; [] if not a plain chain."""
+    names = []
+    while isinstance(node, ast.Attribute):
+        names.append(node.attr)
+        node = node.value
+    return [node.id, *reversed(names)] if isinstance(node, ast.Name) else []
+
+
+def _is_operator(node: ast.Attribute) -> bool:
+    chain = _chain(node)
+    return any(name in _OP_NAMESPACES for name in chain[:-1]) or chain[-2:-1] == ["torch"] and chain[-1] == "_C._nn"
+
+
+def _defined_by(trees) -> set[str]:
+    """Every ``_name`` sptransform defines itself: functions, classes, assigned names and
+    attributes, arguments, and renaming imports. Reading any other ``_name`` off an object reads
+    another library's private attribute, however the object is spelled."""
+    defined = set()
+    for tree in trees:
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(n.name)
+            elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                defined.add(n.id)
+            elif isinstance(n, ast.Attribute) and isinstance(n.ctx, (ast.Store, ast.Del)):
+                defined.add(n.attr)
+            elif isinstance(n, ast.arg):
+                defined.add(n.arg)
+            elif isinstance(n, ast.alias) and n.asname:
+                defined.add(n.asname)
+            elif isinstance(n, ast.ImportFrom) and (n.module or "").startswith("sptransform") or \
+                    isinstance(n, ast.ImportFrom) and n.level:
+                defined.update(a.name for a in n.names)
+    return {name for name in defined if _private(name)} | _PUBLIC
+
+
+_REFLECTION = ("getattr", "hasattr", "setattr", "delattr")
+# namedtuple's documented API is spelled with a leading underscore to stay out of field names.
+_PUBLIC = {"_fields", "_replace", "_asdict", "_make", "_field_defaults"}
+
+
+def _private_uses(tree: ast.AST, ours: set[str]) -> list[str]:
+    """Private names of other libraries a module reaches: imports of private torch/functorch
+    modules or names, attribute reads ``x._name`` of a ``_name`` sptransform does not define
+    (whatever ``x`` is), and ``getattr(x, "_name")`` spelled as a string."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found += [a.name for a in node.names if a.name.split(".")[0] in ("torch", "functorch") and _private(a.name)]
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ("torch", "functorch"):
             if _private(node.module):
                 found.append(node.module)
             found += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
-        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch":
-            if node.attr.startswith("_"):
-                found.append(f"torch.{node.attr}")
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.module.startswith("sptransform") \
+                and not node.level:
+            found += [f"{node.module}.{a.name}" for a in node.names if _private(a.name)]
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and _private(node.attr) \
+                and not node.attr.startswith("__") and node.attr not in ours and not _is_operator(node):
+            found.append(".".join(_chain(node)) or f"<expr>.{node.attr}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _REFLECTION \
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \
+                and isinstance(node.args[1].value, str) and _private(node.args[1].value) \
+                and node.args[1].value not in ours:
+            found.append(f'{node.func.id}(..., "{node.args[1].value}")')
     return found
 
 
-def test_no_module_but_torch_internals_uses_private_torch_apis():
+def _offenders(package: pathlib.Path) -> dict[str, list[str]]:
+    trees = {path: ast.parse(path.read_text()) for path in sorted(package.rglob("*.py"))}
+    ours = _defined_by(trees.values())
     offenders = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path, tree in trees.items():
         if path.name == "torch_internals.py":
             continue
-        uses = _private_uses(path)
+        uses = _private_uses(tree, ours)
         if uses:
-            offenders[str(path.relative_to(PACKAGE))] = sorted(set(uses))
-    assert not offenders, f"private torch APIs outside torch_internals.py: {offenders}"
+            offenders[str(path.relative_to(package))] = sorted(set(uses))
+    return offenders
 
 
-def test_the_checker_sees_private_imports(tmp_path):
-    sample = tmp_path / "sample.py"
-    sample.write_text("from torch._guards import detect_fake_mode\nimport torch\nx = torch._C\n"
-                      "from torch.distributed.tensor.placement_types import _StridedShard\n")
-    assert _private_uses(sample) == ["torch._guards", "torch.distributed.tensor.placement_types._StridedShard",
-                                     "torch._C"]
+def test_no_module_but_torch_internals_uses_private_apis():
+    offenders = _offenders(PACKAGE)
+    assert not offenders, f"private APIs of other libraries outside torch_internals.py: {offenders}"
+
+
+def test_the_checker_sees_private_imports_attributes_and_reflection(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "sample.py").write_text(
+        "from torch._guards import detect_fake_mode\n"
+        "import torch\n"
+        "from torch._functorch import partitioners as torch_partitioners\n"
+        "from torch.distributed.tensor.placement_types import _StridedShard\n"
+        "x = torch._C\n"
+        "y = torch_partitioners._extract_fwd_bwd_modules\n"      # private, spelled without torch._
+        "def f(module, t):\n"
+        "    children = module._modules\n"                       # nn.Module internals
+        "    local = getattr(t, '_local_tensors')\n"             # reflection
+        "    return t._mine, torch.ops.aten._softmax.default\n"  # our own name; an operator\n"
+        "class Ours:\n"
+        "    def __init__(self):\n"
+        "        self._mine = 1\n")
+    assert _offenders(package) == {"sample.py": sorted([
+        "torch._guards", "torch.distributed.tensor.placement_types._StridedShard", "torch._functorch",
+        "torch._C", "torch_partitioners._extract_fwd_bwd_modules", "module._modules",
+        'getattr(..., "_local_tensors")'])}
 
 
 @pytest.mark.parametrize("allow", [False, True])

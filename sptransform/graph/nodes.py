@@ -12,6 +12,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from sptransform.torch_internals import op_qualified_name, op_schema
 from sptransform.torch_internals import OpOverload, run_and_save_rng_state, run_with_rng_state
 
 aten = torch.ops.aten
@@ -96,7 +97,7 @@ def _returns_alias(target) -> bool:
         return False
     if target in _UNANNOTATED_ALIASES:
         return True
-    return any(r.alias_info is not None and not r.alias_info.is_write for r in target._schema.returns)
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in op_schema(target).returns)
 
 
 def is_view(node: fx.Node) -> bool:
@@ -151,10 +152,10 @@ def is_random(node: fx.Node) -> bool:
     op, args, kwargs = unwrap_rng(node)
     if not (isinstance(op, OpOverload) and torch.Tag.nondeterministic_seeded in op.tags):
         return node.target in _RNG_WRAPPERS
-    names = [a.name for a in op._schema.arguments]
+    names = [a.name for a in op_schema(op).arguments]
     if "dropout_p" in names:
         at = names.index("dropout_p")
-        p = kwargs.get("dropout_p", args[at] if at < len(args) else op._schema.arguments[at].default_value)
+        p = kwargs.get("dropout_p", args[at] if at < len(args) else op_schema(op).arguments[at].default_value)
         return not (isinstance(p, (int, float)) and p == 0)
     return True
 
@@ -195,7 +196,7 @@ def describe(node: fx.Node) -> str:
     innermost frame of the user's code (not torch's) that made the op."""
     target = getattr(node.target, "__name__", str(node.target))
     if isinstance(node.target, OpOverload):
-        target = f"aten.{node.target._opname}.{node.target._overloadname}"
+        target = op_qualified_name(node.target)
     lines = [ln.strip() for ln in (node.meta.get("stack_trace") or "").strip().splitlines() if ln.strip()]
     frames = [(lines[i][5:], lines[i + 1] if i + 1 < len(lines) else "") for i in range(len(lines)) if lines[i].startswith("File ")]
     user = [f for f in frames if "/torch/" not in f[0]] or frames

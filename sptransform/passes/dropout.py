@@ -41,6 +41,7 @@ from sptransform.graph.plan import ParallelPlan
 from sptransform.graph.placement import DimShard
 from sptransform.graph.nodes import describe, packet
 from sptransform.passes.localize import index_table
+from sptransform.torch_internals import op_schema
 from sptransform.torch_internals import OpOverload
 
 aten = torch.ops.aten
@@ -93,7 +94,7 @@ def _arguments(node: fx.Node) -> tuple:
 
 def _fused_dropout_p(node: fx.Node) -> float | None:
     """The ``dropout_p`` of an op that takes one (an attention kernel), else None."""
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    schema = op_schema(node.target) if node.op == "call_function" else None
     if schema is None:
         return None
     for i, argument in enumerate(schema.arguments):

@@ -43,6 +43,7 @@ from fractions import Fraction
 import torch
 import torch.fx as fx
 
+from sptransform.torch_internals import op_schema
 from sptransform.torch_internals import OpOverload
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ class CollectiveSite:
 def _mutates(node: fx.Node) -> bool:
     target = node.target
     if isinstance(target, OpOverload):
-        return target._schema.is_mutable
+        return op_schema(target).is_mutable
     return node.op == "call_function" and node.is_impure()
 
 

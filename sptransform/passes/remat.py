@@ -65,6 +65,7 @@ from sptransform.options import REMAT_POLICIES as POLICIES  # noqa: F401  (re-ex
 from sptransform.options import RematOptions, RematPolicy  # noqa: F401  (re-exported)
 from sptransform.capture import views_as_reshapes
 from sptransform.graph.cost import FORWARD_TAG
+from sptransform.torch_internals import extract_fwd_bwd_modules
 from sptransform.torch_internals import detect_fake_mode, run_with_rng_state
 from sptransform.torch_internals import partitioners as torch_partitioners
 from sptransform.graph.nodes import JOINT_ID, TANGENT, is_random, number_joint_nodes, val
@@ -107,7 +108,7 @@ def apply_plan(analysis: JointAnalysis, plan: RematPlan) -> tuple[fx.GraphModule
         n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     saved_sym = [n for n in plan.saved if isinstance(val(n), (torch.SymInt, torch.SymFloat, torch.SymBool))]
     saved_values = [n for n in plan.saved if n not in saved_sym]
-    fw, bw = torch_partitioners._extract_fwd_bwd_modules(
+    fw, bw = extract_fwd_bwd_modules(
         joint, saved_values, saved_sym_nodes=saved_sym, num_fwd_outputs=analysis.num_fwd_outputs
     )
     # Extraction copies every forward op whose inputs the backward has; the ones no

@@ -52,6 +52,7 @@ from sptransform.graph.plan import ParallelPlan
 from sptransform.graph.propagate import Propagation, move_kind
 from sptransform.graph.rules import ShardingError, is_split, local_slice_bounds, slice_bounds
 from sptransform.graph.nodes import describe, packet, shape_of
+from sptransform.torch_internals import op_schema
 from sptransform.passes.localize import index_table, localize, localize_split
 from sptransform.runtime.collectives import copy_to_tp, gather_output, gather_seq, reduce_from_tp, scatter_seq, sync_grads
 from sptransform.runtime.ops import (
@@ -170,7 +171,7 @@ def check_local_shapes(gm: fx.GraphModule, prop: Propagation, nodes: list[fx.Nod
 def _has_size_argument(node: fx.Node) -> bool:
     """Whether the op takes sizes (``view``'s shape, ``expand``'s sizes, ``split``'s lengths): a list of
     ints among its arguments, or a single int it reads as a size."""
-    schema = getattr(node.target, "_schema", None)
+    schema = op_schema(node.target)
     if schema is None:
         return False
     return any(str(a.type) in ("List[int]", "int", "Optional[int]") and not a.name.startswith("dim")

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from sptransform.torch_internals import op_schema
 from sptransform.torch_internals import (
     OpOverload,
 )
@@ -37,7 +38,7 @@ def dispatch_args(node: fx.Node) -> tuple[tuple[Any, ...], dict[str, Any]]:
     args, kwargs = _nonnegative_dims(node, op, args, kwargs)
     if not kwargs:
         return args, kwargs
-    positional = [a for a in op._schema.arguments if not a.kwarg_only]
+    positional = [a for a in op_schema(op).arguments if not a.kwarg_only]
     named = [i for i in range(len(args), len(positional)) if positional[i].name in kwargs]
     if not named:
         return args, kwargs
@@ -76,7 +77,7 @@ def _nonnegative_dims(node: fx.Node, op: OpOverload, args: tuple, kwargs: dict) 
             return type(value)(v + ndim if v < 0 else v for v in value)
         return value
 
-    schema = op._schema.arguments
+    schema = op_schema(op).arguments
     args = tuple(fix(a) if i < len(schema) and schema[i].name in _DIM_ARGUMENTS else a for i, a in enumerate(args))
     kwargs = {k: (fix(v) if k in _DIM_ARGUMENTS else v) for k, v in kwargs.items()}
     return args, kwargs

@@ -11,6 +11,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from sptransform.torch_internals import propagate_through_decomposition, wrap_with_op_strategy
 from sptransform.torch_internals import (
     DTensorSpec,
     GuardOnDataDependentSymNode,
@@ -78,7 +79,7 @@ def _enum_single_dim(nd: _Node, tp: int) -> list[Strategy]:
     info = sp.op_single_dim_strategy_funcs[nd.op]
     mesh = abstract_mesh(tp)
     n_in = len(nd.tensor_pos)
-    strategy_schema = sp._wrap_with_op_strategy(nd.schema(mesh, [Replicate()] * n_in))
+    strategy_schema = wrap_with_op_strategy(sp, nd.schema(mesh, [Replicate()] * n_in))
     rules = info.func(nd.op, strategy_schema.args_meta, strategy_schema.kwargs_meta)
     out_meta = nd.output_tensor_meta()
     if rules:
@@ -111,7 +112,7 @@ def _enum_strategy_func(nd: _Node, tp: int) -> list[Strategy]:
     strats: list[Strategy] = []
     errors: list[str] = []
     for combo in _combos(nd, tp):
-        schema = sp._wrap_with_op_strategy(nd.schema(mesh, combo))
+        schema = wrap_with_op_strategy(sp, nd.schema(mesh, combo))
         try:
             result = func(schema)
         except GuardOnDataDependentSymNode:
@@ -207,7 +208,6 @@ def _enum_decomp(nd: _Node, tp: int) -> list[Strategy]:
     ds = sp.decomp_strategy
     ds.ensure_schema_info(nd.op)
     schema = nd.schema(mesh, [Replicate()] * len(nd.tensor_pos))
-    fake_mesh = ds._get_fake_mesh(mesh.device_type)
     flat, _ = pytree.tree_flatten(list(schema.args_schema + tuple(schema.kwargs_schema.values())))
     spec_slots = [i for i, x in enumerate(flat) if isinstance(x, DTensorSpec)]
     strats = []
@@ -217,7 +217,7 @@ def _enum_decomp(nd: _Node, tp: int) -> list[Strategy]:
             placement[slot] = p
         try:
             with _disable_current_modes():
-                out = ds._propagate_through_decomp(schema, tuple(placement), fake_mesh)
+                out = propagate_through_decomposition(ds, schema, tuple(placement), mesh.device_type)
         except (NotImplementedError, GuardOnDataDependentSymNode):
             raise
         except Exception:

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from sptransform.torch_internals import op_schema
 from sptransform.torch_internals import (
     DecompShardingStrategy,
     DTensorSpec,
@@ -185,7 +186,7 @@ class _Node:
         for n, v in zip(self.inputs, self.vals):
             if v is None:
                 return f"input {n.name} has no meta['val']"
-        if self.node.meta.get("val", None) is None and self.op._schema.returns:
+        if self.node.meta.get("val", None) is None and op_schema(self.op).returns:
             return f"{self.node.name} has no meta['val']"
         if not self.tensor_pos:
             return "no tensor inputs; DTensor strategies need at least one"
