@@ -33,7 +33,10 @@ checkpoint is written or read.
 ``pm.state_dict()`` returns views for the module's own parameters (a state-dict post-hook on every
 submodule holding a DTensor parameter, so ``pm.transformer.state_dict()`` too; not with
 ``keep_vars=True``, which returns the parameters themselves). An optimizer's state (``exp_avg`` of a
-fused weight has the parameter's placement) goes through ``checkpointable(opt.state_dict())``.
+fused weight has the parameter's placement) gets views too: ``opt.state_dict()`` of any optimizer
+that has stepped the module (``_OptimizerWatch``), so torch's ``get_state_dict`` and the plain
+``{"optim": opt.state_dict()}`` save and load it; ``checkpointable(opt)`` also creates the state of
+an optimizer that has not stepped, which ``dcp.load`` could otherwise not fill.
 """
 
 from __future__ import annotations
