@@ -13,11 +13,15 @@ tp=2 into one device (a plain HF model and AdamW, in this process) and from dp=2
 into a fresh optimizer and into one that has stepped. Across layouts the generators are not
 carried (their number differs): the uninterrupted run is then the destination layout given the
 source's state (parameters and moments as whole tensors, ``full_tensor()``, cut with
-``distribute_tensor``) and the same generator states. Mixed recipes (saved with one, loaded with
-another) either continue exactly or raise.
+``distribute_tensor``) and the same generator states. Mixed recipes (GPT-2, saved with one,
+loaded with another) either continue exactly or raise. All continue exactly except (``_expected``)
+the plain recipe into a fresh optimizer, which cannot restore its state (``opt.state_dict()`` is
+empty before the first step): a parallel module warns; and torch's recipe mixed with another
+(names vs indices as keys): DCP raises.
 
-One spawn of 4 ranks runs every distributed case (tp=2 runs as two replicas on a 2 x 2 mesh);
-each rank writes what every case gave, and the test reads it.
+One spawn of 4 ranks runs every distributed case (tp=2 runs as two replicas on a 2 x 2 mesh; the
+tp=2 source is then the destination of every case, which loads all of its state); each rank
+writes what every case gave, and the test reads it.
 """
 
 from __future__ import annotations
@@ -83,7 +87,7 @@ def _dp_slice(batch: dict, dp_rank: int, dp: int) -> dict:
 
 
 def _optimizer(module):
-    return torch.optim.AdamW(module.parameters(), lr=LR, foreach=False)
+    return torch.optim.AdamW(module.parameters(), lr=LR, foreach=True)  # fewer DTensor dispatches
 
 
 def _step(module, opt, batch: dict) -> float:
@@ -198,20 +202,24 @@ def _compare(losses: list[float], expected: list[float]) -> str:
     return f"differs: max |diff| {max(abs(a - b) for a, b in zip(losses, expected)):.3g} ({losses} vs {expected})"
 
 
-def _resume_tp2(pm, opt_target: str, recipe: str, path: str, batches: list[dict], *, rng, rng_snapshot=None,
-                whole=None) -> list[float]:
-    """Resume on the tp=2 module ``pm``: a fresh optimizer, or one that has stepped (on other
-    weights and another batch), loaded by ``recipe`` (or given ``whole``), then 3 steps."""
-    opt = _optimizer(pm)
-    if opt_target == "stepped":
-        _step(pm, opt, batches[-1])
+def _checkpoints_generators() -> None:
+    """Same layout: the generators are the checkpoint's (``pm.rng`` is in the recipe)."""
+
+
+def _resume(module, target: str, recipe: str, path: str, batches: list[dict], *, rng: bool, reseed,
+            whole=None, no_dist: bool = False) -> list[float]:
+    """Resume on ``module``: a fresh optimizer, or one that has stepped (on other weights and
+    another batch), loaded by ``recipe`` (or given ``whole``); ``reseed()`` (generators not carried
+    across layouts); then the 3 steps."""
+    opt = _optimizer(module)
+    if target == "stepped":
+        _step(module, opt, batches[-1])
     if whole is not None:
-        _set_whole_state(pm, opt, whole)
+        _set_whole_state(module, opt, whole)
     else:
-        _load(recipe, pm, opt, path, rng=rng)
-    if rng_snapshot is not None:
-        pm.rng.load_state_dict(rng_snapshot)
-    return [_step(pm, opt, b) for b in batches[2:5]]
+        _load(recipe, module, opt, path, rng=rng, no_dist=no_dist)
+    reseed()
+    return [_step(module, opt, b) for b in batches[2:5]]
 
 
 def _worker(rank: int, world: int, port: int, folder: str) -> None:
@@ -232,11 +240,13 @@ def _worker(rank: int, world: int, port: int, folder: str) -> None:
             example = _batches(1)[0]
             tp2 = lambda seed: sptransform.parallelize(  # noqa: E731
                 _model(kind, seed), tp=2, mesh=replicas["tp"], example_inputs=example, seed=7)
-            # sources: 2 steps, save by every recipe, 3 more steps (the uninterrupted run)
+            # sources: 2 steps, save by every recipe, 3 more steps (the uninterrupted run); the tp=2
+            # one is then every case's destination (each case loads all of its state)
             expected = {}
-            for source in ("tp2", "dp2tp2"):
+            for source in ("dp2tp2", "tp2"):
                 if source == "tp2":
                     pm, batch_of = tp2(0), (lambda b: b)
+                    snapshot = pm.rng.state_dict()  # its fresh generators' states (copies)
                 else:
                     pm = sptransform.parallelize(_model(kind, 0), tp=2, dp=2, example_inputs=_dp_slice(example, 0, 2),
                                                  seed=7)
@@ -246,40 +256,33 @@ def _worker(rank: int, world: int, port: int, folder: str) -> None:
                 for b in batches[:2]:
                     _step(pm, opt, batch_of(b))
                 for recipe in RECIPES:
-                    try:
-                        _save(recipe, pm, opt, os.path.join(folder, kind, source, recipe), rng=source == "tp2")
-                    except _ERRORS as err:
-                        outcomes.results[f"{kind}: {source} save {recipe}"] = f"raised: {type(err).__name__}: {err}"[:600]
+                    _save(recipe, pm, opt, os.path.join(folder, kind, source, recipe), rng=source == "tp2")
                 whole = _whole_state(pm, opt)
-                if rank == 0:
+                if rank == 0 and source == "tp2":
                     torch.save(whole, os.path.join(folder, f"{kind}-{source}-whole.pt"))
                 expected[source] = [_step(pm, opt, batch_of(b)) for b in batches[2:5]]
                 if source == "dp2tp2":
                     expected_whole = whole
-                del pm, opt
-            # the destination: one tp=2 module, reused (every case loads all of its state)
-            pm = tp2(3)
-            snapshot = pm.rng.state_dict()  # the fresh generators' states (copies)
+                    del pm, opt
             for target in TARGETS:
                 for recipe in RECIPES:
                     path = os.path.join(folder, kind, "tp2", recipe)
                     outcomes.run(f"{kind}: {recipe}, tp2 -> tp2, {target} optimizer", expected["tp2"],
-                                 lambda: _resume_tp2(pm, target, recipe, path, batches, rng=True))
-                for saved_by, loaded_by in MIXED if target == "stepped" else ():
+                                 lambda: _resume(pm, target, recipe, path, batches, rng=True, reseed=_checkpoints_generators))
+                for saved_by, loaded_by in MIXED if (kind, target) == ("gpt2", "stepped") else ():
                     path = os.path.join(folder, kind, "tp2", saved_by)
                     outcomes.run(f"{kind}: saved {saved_by}, loaded {loaded_by}, tp2 -> tp2, {target} optimizer",
                                  expected["tp2"],
-                                 lambda: _resume_tp2(pm, target, loaded_by, path, batches, rng=True))
+                                 lambda: _resume(pm, target, loaded_by, path, batches, rng=True, reseed=_checkpoints_generators))
             # dp2 x tp2 -> tp2: the uninterrupted run is tp2 given the whole state
-            reference = _resume_tp2(pm, "fresh", "", "", batches, rng=False, rng_snapshot=snapshot,
-                                    whole=expected_whole)
+            reseed = lambda: pm.rng.load_state_dict(snapshot)  # noqa: E731
+            reference = _resume(pm, "fresh", "", "", batches, rng=False, reseed=reseed, whole=expected_whole)
             outcomes.results[f"{kind}: reference dp2tp2 -> tp2 losses"] = json.dumps(reference)
             for target in TARGETS:
                 for recipe in RECIPES:
                     path = os.path.join(folder, kind, "dp2tp2", recipe)
                     outcomes.run(f"{kind}: {recipe}, dp2tp2 -> tp2, {target} optimizer", reference,
-                                 lambda: _resume_tp2(pm, target, recipe, path, batches, rng=False,
-                                                     rng_snapshot=snapshot))
+                                 lambda: _resume(pm, target, recipe, path, batches, rng=False, reseed=reseed))
             outcomes.results[f"{kind}: expected tp2 losses"] = json.dumps(expected["tp2"])
             timings[kind] = time.monotonic() - start
         with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
@@ -293,31 +296,19 @@ def _worker(rank: int, world: int, port: int, folder: str) -> None:
 # this process: into one device
 
 
-def _resume_single(kind: str, target: str, recipe: str, path: str, batches: list[dict], whole=None) -> list[float]:
-    model = _model(kind, seed=3)
-    opt = _optimizer(model)
-    if target == "stepped":
-        _step(model, opt, batches[-1])
-    if whole is not None:
-        _set_whole_state(model, opt, whole)
-    else:
-        _load(recipe, model, opt, path, rng=False, no_dist=True)
-    torch.manual_seed(9)
-    return [_step(model, opt, b) for b in batches[2:5]]
-
-
 def _single_device_cases(folder) -> dict[str, str]:
-    batches = _batches(6)
-    results = {}
+    """tp=2 -> one device: a plain HF model and AdamW (no generators carried: the same seed)."""
+    batches, results = _batches(6), {}
+    reseed = lambda: torch.manual_seed(9)  # noqa: E731
     for kind in KINDS:
-        for source in ("tp2", "dp2tp2"):
-            whole = torch.load(os.path.join(folder, f"{kind}-{source}-whole.pt"))
-            reference = _resume_single(kind, "fresh", "", "", batches, whole=whole)
-            for target in TARGETS:
-                for recipe in RECIPES:
-                    path = os.path.join(folder, kind, source, recipe)
-                    results[f"{kind}: {recipe}, {source} -> one device, {target} optimizer"] = _outcome(
-                        lambda: _resume_single(kind, target, recipe, path, batches), reference)
+        whole = torch.load(os.path.join(folder, f"{kind}-tp2-whole.pt"))
+        reference = _resume(_model(kind, 3), "fresh", "", "", batches, rng=False, reseed=reseed, whole=whole)
+        for target in TARGETS:
+            for recipe in RECIPES:
+                path = os.path.join(folder, kind, "tp2", recipe)
+                results[f"{kind}: {recipe}, tp2 -> one device, {target} optimizer"] = _outcome(
+                    lambda: _resume(_model(kind, 3), target, recipe, path, batches, rng=False, reseed=reseed,
+                                    no_dist=True), reference)
     return results
 
 
@@ -336,13 +327,14 @@ def _collect(folder) -> tuple[dict[str, str], dict]:
 def test_checkpoint_recipes_round_trip_exactly_or_raise(tmp_path):
     start = time.monotonic()
     _spawn(_worker, 4, 300, str(tmp_path))
+    spawned = time.monotonic() - start
     results, timings = _collect(tmp_path)
     results.update(_single_device_cases(str(tmp_path)))
-    print(json.dumps(timings), f"total {time.monotonic() - start:.1f} s")
+    print(json.dumps(timings), f"spawn {spawned:.1f} s, total {time.monotonic() - start:.1f} s")
     for case, outcome in results.items():
         print(f"{case}: {outcome}")
     cases = {c: o for c, o in results.items() if "losses" not in c}
-    assert len(cases) == len(KINDS) * (4 * len(RECIPES) * len(TARGETS) + len(MIXED)), sorted(cases)
+    assert len(cases) == len(KINDS) * 3 * len(RECIPES) * len(TARGETS) + len(MIXED), sorted(cases)
     bad = {c: o for c, o in cases.items() if not o.startswith(_expected(c))}
     assert not bad, "\n".join(f"{c}: {o} (expected {_expected(c)})" for c, o in bad.items())
 
