@@ -33,13 +33,18 @@ checkpoint is written or read.
 ``pm.state_dict()`` returns views for the module's own parameters (a state-dict post-hook on every
 submodule holding a DTensor parameter, so ``pm.transformer.state_dict()`` too; not with
 ``keep_vars=True``, which returns the parameters themselves). An optimizer's state (``exp_avg`` of a
-fused weight has the parameter's placement) goes through ``checkpointable(opt.state_dict())``.
+fused weight has the parameter's placement) gets views too: ``opt.state_dict()`` of any optimizer
+that has stepped the module (``_OptimizerWatch``), so torch's ``get_state_dict`` and the plain
+``{"optim": opt.state_dict()}`` save and load it; ``checkpointable(opt)`` also creates the state of
+an optimizer that has not stepped, which ``dcp.load`` could otherwise not fill.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import warnings
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Iterable
 
@@ -51,6 +56,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from sptransform.torch_internals import StridedShard, dtensor_as, plain_dtensor
 
@@ -160,9 +166,16 @@ def checkpoint_view(value: Any) -> Any:
 
 def checkpointable(state: Any) -> Any:
     """``state`` (nested dicts, lists, tuples) with every DTensor that DCP cannot describe as one
-    box replaced by its view: ``dcp.save({"optim": sptransform.checkpointable(opt.state_dict())})``
-    and, to load, ``state = {"optim": checkpointable(opt.state_dict())}``, ``dcp.load(state, ...)``,
-    ``opt.load_state_dict(state["optim"])`` (the views share the optimizer's tensors)."""
+    box replaced by its view. Given an optimizer, its ``state_dict()`` so, after creating its
+    state if it has not stepped (``create_optimizer_state``: a fresh optimizer has none, and
+    ``dcp.load`` would restore nothing into it). To save:
+    ``dcp.save({"optim": sptransform.checkpointable(opt)}, ...)``; to load (a fresh optimizer or
+    one that has stepped): ``state = {"optim": sptransform.checkpointable(opt)}``,
+    ``dcp.load(state, ...)``, ``opt.load_state_dict(state["optim"])`` (the views share the
+    optimizer's tensors)."""
+    if isinstance(state, torch.optim.Optimizer):
+        create_optimizer_state(state)
+        return checkpointable(state.state_dict())
     if isinstance(state, dict):
         items = [(k, checkpointable(v)) for k, v in state.items()]
         return type(state)(items) if type(state) in (dict, OrderedDict) else dict(items)
@@ -194,14 +207,14 @@ class _ShardWholeEntries:
     this rank's shard of it, so ``pm.load_state_dict(model.state_dict())`` works as on the
     original (``copy_`` of a plain tensor into a DTensor is an error in torch). Each rank cuts its
     own shard from the tensor it was given, without communication: every rank must pass the same
-    values, as it does when all ranks read one file."""
+    values, as it does when all ranks read one file. An entry that is a DTensor (a distributed
+    checkpoint's) tells ``watch`` that the module was restored (``_OptimizerWatch``)."""
 
-    def __init__(self, names: Iterable[str]):
+    def __init__(self, names: Iterable[str], watch: "_OptimizerWatch"):
         self.names = tuple(names)
+        self.watch = watch
 
     def __call__(self, module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
-        from torch.distributed.tensor import distribute_tensor
-
         for name in self.names:
             key, param = prefix + name, module._parameters.get(name)
             value = state_dict.get(key)
@@ -209,16 +222,120 @@ class _ShardWholeEntries:
                     and value.shape == param.shape:
                 state_dict[key] = distribute_tensor(value.detach().to(param.device), param.device_mesh,
                                                     param.placements, src_data_rank=None)
+            elif isinstance(value, DTensor):
+                self.watch.restored = True
 
 
 def install_checkpoint_views(root: nn.Module) -> None:
-    """Make ``root.state_dict()`` (and every submodule's) return DCP-describable entries, and
-    ``root.load_state_dict`` accept whole tensors (``_ShardWholeEntries``)."""
+    """Make ``root.state_dict()`` (and every submodule's) return DCP-describable entries,
+    ``root.load_state_dict`` accept whole tensors (``_ShardWholeEntries``), and the state of any
+    optimizer stepping ``root``'s parameters describable too (``_OptimizerWatch``)."""
+    watch = _OptimizerWatch(root)
     for module in root.modules():
         names = [name for name, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)]
         if names:
             module.register_state_dict_post_hook(_ViewEntries(names))
-            module.register_load_state_dict_pre_hook(_ShardWholeEntries(names))
+            module.register_load_state_dict_pre_hook(_ShardWholeEntries(names, watch))
+    handle = register_optimizer_step_pre_hook(watch)
+    weakref.finalize(root, handle.remove)  # the hook goes with the module
+    _WATCHES[root] = watch
+
+
+# -- optimizers ------------------------------------------------------------------------------
+
+
+def _view_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """Optimizer state-dict post-hook: every ``_StridedShard`` entry as its checkpoint view."""
+    return checkpointable(state_dict)
+
+
+class _OptimizerWatch:
+    """Global optimizer step pre-hook owned by one parallel module (removed with it): the first
+    time an optimizer holding the module's parameters steps, and the module has a fused
+    ``_StridedShard`` parameter, its ``state_dict()`` gets ``_view_optimizer_state`` (AdamW's
+    ``exp_avg`` of a fused weight has the weight's placement, which DCP alone cannot save: the
+    issue's "overlapping chunks"). Views share the optimizer's tensors, so the plain recipe
+    ``dcp.load({"optim": opt.state_dict()})`` + ``opt.load_state_dict`` reads into them in place.
+
+    An optimizer's state is created by its first step, so ``opt.state_dict()`` of an optimizer that
+    has not stepped is empty and ``dcp.load`` restores nothing into it. When the module was just
+    restored from DTensors (a distributed checkpoint: ``restored``, set by ``_ShardWholeEntries``)
+    and the first optimizer step that follows finds no state for its parameters, this warns,
+    naming the recipes that restore it (``get_state_dict``/``set_state_dict``,
+    ``sptransform.checkpointable(opt)``). Holds the module weakly."""
+
+    def __init__(self, root: nn.Module):
+        self._root = weakref.ref(root)
+        self._strided = any(needs_view(p) for p in root.parameters())
+        self._holds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> holds our params
+        self.restored = False
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        holds = self._holds.get(optimizer)
+        if holds is None:
+            holds = self._holds[optimizer] = self._first_sight(optimizer)
+        if holds and self.restored:
+            self.restored = False
+            root = self._root()
+            mine = {id(p) for p in root.parameters()} if root is not None else set()
+            ours = [p for group in optimizer.param_groups for p in group["params"] if id(p) in mine]
+            if ours and not any(optimizer.state.get(p) for p in ours):
+                warnings.warn(
+                    f"{type(optimizer).__name__} steps {len(ours)} parameters of a parallel module restored from a "
+                    "distributed checkpoint, but it has no state for them: if the checkpoint held optimizer state "
+                    "(AdamW's moments), none of it was restored, because opt.state_dict() of an optimizer that has "
+                    "not stepped is empty and dcp.load fills only what it is given. Load with torch's "
+                    "get_state_dict(pm, opt) / set_state_dict(...) (torch.distributed.checkpoint.state_dict), or "
+                    "sptransform.checkpointable(opt), which create the state first; to start a new optimizer "
+                    "deliberately, ignore this warning",
+                    UserWarning, stacklevel=3)
+
+    def _first_sight(self, optimizer: torch.optim.Optimizer) -> bool:
+        root = self._root()
+        if root is None:
+            return False
+        mine = {id(p) for p in root.parameters()}
+        if not any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
+            return False
+        if self._strided:
+            optimizer.register_state_dict_post_hook(_view_optimizer_state)
+        return True
+
+
+_WATCHES: "weakref.WeakKeyDictionary[nn.Module, _OptimizerWatch]" = weakref.WeakKeyDictionary()
+"""Each parallel module's watch, for ``load_hf_weights`` (loading weights is no resume)."""
+
+
+def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give an optimizer that has not stepped its state, as its first step would, without moving
+    anything: one step with zero gradients at ``lr=0``, after which the step counts are set back
+    to zero (so training from here is that of the untouched optimizer). The same as torch's
+    ``get_state_dict`` does for a fresh optimizer (its ``_init_optim_state``), which leaves the
+    counts at one. Gradients the parameters hold are kept."""
+    if optimizer.state:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    grads = [p.grad for p in params]
+    lrs = [group.get("lr") for group in optimizer.param_groups]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for group in optimizer.param_groups:
+            if "lr" in group:
+                group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, lrs):
+            if lr is not None:
+                group["lr"] = lr
+        for p, grad in zip(params, grads):
+            p.grad = grad
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            step.zero_()
+        elif step is not None:
+            state["step"] = type(step)(0)
 
 
 # -- Hugging Face weights --------------------------------------------------------------------
@@ -273,8 +390,10 @@ def load_hf_weights(module: nn.Module, path: str | os.PathLike, *,
     # DCP wrote into the tensors' storage; load_state_dict keeps the module's own bookkeeping honest
     # (and copies anything DCP had to replace rather than fill).
     module.load_state_dict({wanted[key][0]: value for key, value in to_load.items()}, strict=False)
+    if module in _WATCHES:
+        _WATCHES[module].restored = False  # weights, not a run to resume: a new optimizer is expected
     return sorted(name for name, _ in wanted.values())
 
 
-__all__ = ["ChunkedDTensor", "checkpoint_view", "checkpointable", "install_checkpoint_views", "load_hf_weights",
-           "needs_view"]
+__all__ = ["ChunkedDTensor", "checkpoint_view", "checkpointable", "create_optimizer_state", "install_checkpoint_views",
+           "load_hf_weights", "needs_view"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 
 import pytest
 import torch
@@ -175,3 +176,62 @@ def test_load_hf_weights_names_what_is_missing(tmp_path):
         sptransform.load_hf_weights(other, tmp_path)
     with pytest.raises(FileNotFoundError, match="not a folder"):
         sptransform.load_hf_weights(other, tmp_path / "model.safetensors")
+
+
+def test_an_optimizer_stepping_a_fused_weight_gives_views_in_its_state_dict():
+    """``opt.state_dict()`` (and so torch's ``get_state_dict``) of an optimizer that has stepped the
+    module: the fused weight's moments are views DCP can save (the issue's "overlapping chunks"),
+    sharing the optimizer's tensors; the optimizer's own state stays plain DTensors."""
+    with simulated_ranks(2):
+        pm = sptransform.parallelize(_gpt2(), tp=2, example_inputs=_batch())
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=False)
+        pm(**_batch()).loss.backward()
+        opt.step()
+        names = [n for n, _ in pm.named_parameters()]
+        state = opt.state_dict()["state"]
+        for index, entry in state.items():
+            assert isinstance(entry["exp_avg"], ChunkedDTensor) == ("c_attn" in names[index]), names[index]
+        fused = names.index("transformer.h.0.attn.c_attn.weight")
+        own = opt.state[pm.get_parameter(names[fused])]["exp_avg"]
+        assert type(own) is DTensor
+        state[fused]["exp_avg"].to_local().zero_()  # the view shares the optimizer's tensor: DCP loads into it
+        assert all(not t.any() for t in per_rank(own.to_local()))
+
+
+def test_checkpointable_creates_a_fresh_optimizers_state_without_moving_anything():
+    with simulated_ranks(2):
+        pm = sptransform.parallelize(_gpt2(), tp=2, example_inputs=_batch())
+        before = {n: per_rank(p.to_local().clone()) for n, p in pm.named_parameters()}
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
+        state = checkpointable(opt)
+        assert len(state["state"]) == len(before) and opt.param_groups[0]["lr"] == 1e-3
+        assert all(float(entry["step"]) == 0 for entry in state["state"].values())
+        assert all(p.grad is None for p in pm.parameters())
+        for name, p in pm.named_parameters():
+            assert all(torch.equal(a, b) for a, b in zip(per_rank(p.to_local()), before[name])), name
+
+
+def test_a_fresh_optimizer_after_a_restore_warns_that_its_state_was_not_restored():
+    """The plain recipe into an optimizer that has not stepped restores none of its state; the
+    first step after ``pm.load_state_dict`` of DTensors (a distributed checkpoint) says so. Whole
+    tensors (weights) and an optimizer that has state do not warn."""
+    with simulated_ranks(2):
+        pm = sptransform.parallelize(_gpt2(), tp=2, example_inputs=_batch())
+
+        def first_step(opt):
+            pm(**_batch()).loss.backward()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                opt.step()
+            opt.zero_grad()
+            return [str(w.message) for w in caught if "no state for them" in str(w.message)]
+
+        pm.load_state_dict(_gpt2().state_dict())  # whole tensors: weights, not a resume
+        assert first_step(torch.optim.AdamW(pm.parameters(), foreach=False)) == []
+        pm.load_state_dict(pm.state_dict())  # DTensors: a distributed checkpoint
+        [message] = first_step(torch.optim.AdamW(pm.parameters(), foreach=False))
+        assert "get_state_dict" in message and "checkpointable(opt)" in message
+        opt = torch.optim.AdamW(pm.parameters(), foreach=False)
+        checkpointable(opt)
+        pm.load_state_dict(pm.state_dict())
+        assert first_step(opt) == []
