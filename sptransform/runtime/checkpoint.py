@@ -238,7 +238,7 @@ def install_checkpoint_views(root: nn.Module) -> None:
             module.register_load_state_dict_pre_hook(_ShardWholeEntries(names, watch))
     handle = register_optimizer_step_pre_hook(watch)
     weakref.finalize(root, handle.remove)  # the hook goes with the module
-    _WATCHES[root] = watch
+    root._checkpoint_watch = watch  # the module owns it (``load_hf_weights`` clears ``restored``)
 
 
 # -- optimizers ------------------------------------------------------------------------------
@@ -300,10 +300,6 @@ class _OptimizerWatch:
         if self._strided:
             optimizer.register_state_dict_post_hook(_view_optimizer_state)
         return True
-
-
-_WATCHES: "weakref.WeakKeyDictionary[nn.Module, _OptimizerWatch]" = weakref.WeakKeyDictionary()
-"""Each parallel module's watch, for ``load_hf_weights`` (loading weights is no resume)."""
 
 
 def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -390,8 +386,9 @@ def load_hf_weights(module: nn.Module, path: str | os.PathLike, *,
     # DCP wrote into the tensors' storage; load_state_dict keeps the module's own bookkeeping honest
     # (and copies anything DCP had to replace rather than fill).
     module.load_state_dict({wanted[key][0]: value for key, value in to_load.items()}, strict=False)
-    if module in _WATCHES:
-        _WATCHES[module].restored = False  # weights, not a run to resume: a new optimizer is expected
+    watch = getattr(module, "_checkpoint_watch", None)
+    if watch is not None:
+        watch.restored = False  # weights, not a run to resume: a new optimizer is expected
     return sorted(name for name, _ in wanted.values())
 
 
