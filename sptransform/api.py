@@ -234,7 +234,7 @@ def _factory(model: nn.Module, options: ParallelOptions, tp_mesh: DeviceMesh | N
              dp_group: str | None = None) -> GraphFactory:
     """The graph factory of one parallel module: a fake copy of ``model`` to trace, and this
     rank's dropout generators (one per simulated rank under LocalTensorMode), owned by the
-    module through the factory (graphs reach them by key through a weak registry)."""
+    module through the factory (graphs call their methods, so they live as long as the module)."""
     with maybe_disable_local_tensor_mode():
         template = FakeTemplate(model, device)
     seed = options.seed if options.seed is not None else torch.initial_seed()

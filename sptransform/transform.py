@@ -80,7 +80,7 @@ def _logged(name: str, gm: fx.GraphModule, run: Callable[[], object]):
 
 
 def build_parallel_graph(
-    template: FakeTemplate, args: tuple, kwargs: dict, options: ParallelOptions, group: str | None, generators: int,
+    template: FakeTemplate, args: tuple, kwargs: dict, options: ParallelOptions, group: str | None, generators: RankGenerators,
     dp_group: str | None = None, device_type: str = "cpu",
 ) -> ParallelGraph:
     """The pass list, top to bottom (see the module docstring). ``dp_group``: the data-parallel
@@ -316,8 +316,8 @@ class GraphFactory:
     """What a parallel module asks for when it meets a new input signature, mode or dtype: the
     transformed graph (``build``), the pipeline split, and, with ``recompute``, the
     AOTAutograd-partitioned runner (``compile``). Handing this to the runtime keeps
-    ``runtime/`` free of passes. It owns the module's dropout generators (graphs reach them
-    by key through a weak registry, so they are freed with the module)."""
+    ``runtime/`` free of passes. It owns the module's dropout generators (graphs call their
+    methods, so they are freed with the module and its graphs)."""
 
     template: FakeTemplate
     options: ParallelOptions
@@ -336,7 +336,7 @@ class GraphFactory:
         if dtypes is not None:
             with maybe_disable_local_tensor_mode():  # fake tensors of one rank, never simulated ones
                 self.template.retype(dtypes)
-        graph = build_parallel_graph(self.template, args, kwargs, self.options, self.group, self.generators.key,
+        graph = build_parallel_graph(self.template, args, kwargs, self.options, self.group, self.generators,
                                      self.dp_group, self.device.type)
         graph.gm.to(self.device)  # index tables the passes added live with the parameters
         return graph

@@ -121,3 +121,33 @@ def _interleaved_worker(rank: int, world: int, port: int) -> None:
 @pytest.mark.slow
 def test_two_data_parallel_modules_with_gradients_in_flight_do_not_mix():
     spawn_with_deadline(_interleaved_worker, 2, 240)
+
+
+CONSTANT_TABLES = {"checks.py": {"_INDEX_PRESERVING", "_BITS"}, "explain.py": {"COLLECTIVE_DIRECTIONS"}}
+"""Module-level tables in ``runtime/`` that are never written at run time (each says so in a comment)."""
+
+
+def test_runtime_keeps_no_module_level_mutable_state():
+    """Lists, dicts, sets, counters and weak registries at module level would outlive the modules
+    that use them and let two parallel modules interfere; state belongs to its owner."""
+    import ast
+    import pathlib
+
+    mutable_calls = {"list", "dict", "set", "count", "OrderedDict", "defaultdict", "deque", "local",
+                     "WeakValueDictionary", "WeakKeyDictionary", "WeakSet"}
+    runtime = pathlib.Path(sptransform.__file__).parent / "runtime"
+    found = []
+    for path in sorted(runtime.glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
+                continue
+            value = node.value
+            called = value.func.attr if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) else \
+                value.func.id if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) else None
+            mutable = isinstance(value, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)) \
+                or called in mutable_calls
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = {t.id for t in targets if isinstance(t, ast.Name)}
+            if mutable and not names <= CONSTANT_TABLES.get(path.name, set()) | {"__all__"}:
+                found.append(f"{path.name}:{node.lineno} {sorted(names)}")
+    assert not found, f"module-level mutable state in sptransform/runtime: {found}"
