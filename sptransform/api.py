@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import inspect
@@ -128,44 +129,49 @@ def parallelize(
         "example input shapes": [(tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else repr(x)
                                  for x in pytree.tree_leaves((args, kwargs))],
     }, device)
-    if dp > 1:
-        return _data_parallel(model, options, pipeline, mesh, device, args, kwargs)
-    if pipeline is not None and pipeline.pp > 1:
-        mesh = resolve_pipeline_mesh(pipeline.pp, tp, mesh, device)
-        return PipelinedModule(model, factory=_factory(model, options, mesh["tp"], device), options=options,
-                               pipeline=pipeline, mesh=mesh, example_args=args, example_kwargs=kwargs)
-    mesh = resolve_tp_mesh(tp, mesh, device)
-    factory = _factory(model, options, mesh, device)
+    meshes = _meshes(options, pipeline, mesh, device)
+    factory = _factory(model, options, meshes.tp, device, meshes.dp_group)
+    common = dict(factory=factory, options=options, param_mesh=meshes.param)
+    if meshes.pipeline is not None:
+        return PipelinedModule(model, pipeline=pipeline, mesh=meshes.pipeline, example_args=args, example_kwargs=kwargs,
+                               full_mesh=meshes.full, **common)
     if pipeline is not None:  # pp=1 with n_microbatches: a whole step per call, microbatch by microbatch
         mb_args, mb_kwargs, _ = first_microbatch(args, {**call_defaults(model), **kwargs}, pipeline.n_microbatches)
-        return SteppedModule(model, factory=factory, options=options, mesh=mesh, example_args=mb_args,
-                             example_kwargs=mb_kwargs, n_microbatches=pipeline.n_microbatches,
-                             schedule=pipeline.schedule)
-    return ParallelModule(model, factory=factory, options=options, mesh=mesh, example_args=args, example_kwargs=kwargs)
+        return SteppedModule(model, mesh=meshes.tp, example_args=mb_args, example_kwargs=mb_kwargs,
+                             n_microbatches=pipeline.n_microbatches, schedule=pipeline.schedule, **common)
+    return ParallelModule(model, mesh=meshes.tp, example_args=args, example_kwargs=kwargs, **common)
 
 
-def _data_parallel(model, options: ParallelOptions, pipeline: PipelineOptions | None, mesh, device, args, kwargs):
-    """``dp > 1``: the (dp, pp, tp) mesh; the module's tensor-parallel work on its tp axis, its
-    parameters on the (dp, tp) axes, gradients averaged (or ZeRO-3 pieces gathered) on dp."""
+@dataclass(frozen=True)
+class _Meshes:
+    """Where a parallel module works: ``tp`` (its tensor-parallel mesh, None for tp=1 without
+    one), ``pipeline`` (the ``(pp, tp)`` mesh of a pipeline, else None), ``param`` (with data
+    parallelism, the ``(dp, tp)`` mesh parameters live on), ``full`` (the whole ``(dp, pp, tp)``
+    mesh with data parallelism) and ``dp_group`` (the data-parallel process group's name)."""
+
+    tp: DeviceMesh | None
+    pipeline: DeviceMesh | None = None
+    param: DeviceMesh | None = None
+    full: DeviceMesh | None = None
+    dp_group: str | None = None
+
+
+def _meshes(options: ParallelOptions, pipeline: PipelineOptions | None, mesh, device) -> _Meshes:
+    """The meshes of the module to build. With ``dp > 1`` the (dp, pp, tp) mesh: the module's
+    tensor-parallel work on its tp axis, its parameters on the (dp, tp) axes, gradients averaged
+    (or ZeRO-3 pieces gathered) on dp."""
+    pp = pipeline.pp if pipeline is not None else 1
+    if options.dp == 1:
+        if pp > 1:
+            pipeline_mesh = resolve_pipeline_mesh(pp, options.tp, mesh, device)
+            return _Meshes(pipeline_mesh["tp"], pipeline_mesh)
+        return _Meshes(resolve_tp_mesh(options.tp, mesh, device))
     if local_tensor_mode() is not None:
         raise ValueError("dp > 1 needs real ranks (torchrun, gloo or nccl): simulated ranks run tensor "
                          "parallelism only; use sptransform.verify(model, tp=...) for the tensor-parallel part")
-    pp = pipeline.pp if pipeline is not None else 1
     full = resolve_mesh(options.dp, pp, options.tp, mesh, device)
-    dp_group = full["dp"].get_group().group_name
-    param_mesh = full["dp", "tp"]
-    if pp > 1:
-        return PipelinedModule(model, factory=_factory(model, options, full["tp"], device, dp_group), options=options,
-                               pipeline=pipeline, mesh=full["pp", "tp"], example_args=args, example_kwargs=kwargs,
-                               param_mesh=param_mesh, full_mesh=full)
-    factory = _factory(model, options, full["tp"], device, dp_group)
-    if pipeline is not None:
-        mb_args, mb_kwargs, _ = first_microbatch(args, {**call_defaults(model), **kwargs}, pipeline.n_microbatches)
-        return SteppedModule(model, factory=factory, options=options, mesh=full["tp"], example_args=mb_args,
-                             example_kwargs=mb_kwargs, n_microbatches=pipeline.n_microbatches,
-                             schedule=pipeline.schedule, param_mesh=param_mesh)
-    return ParallelModule(model, factory=factory, options=options, mesh=full["tp"], example_args=args,
-                          example_kwargs=kwargs, param_mesh=param_mesh)
+    return _Meshes(full["tp"], full["pp", "tp"] if pp > 1 else None, full["dp", "tp"], full,
+                   full["dp"].get_group().group_name)
 
 
 def _refuse_parallel_input(model: nn.Module) -> None:
@@ -228,7 +234,7 @@ def _factory(model: nn.Module, options: ParallelOptions, tp_mesh: DeviceMesh | N
              dp_group: str | None = None) -> GraphFactory:
     """The graph factory of one parallel module: a fake copy of ``model`` to trace, and this
     rank's dropout generators (one per simulated rank under LocalTensorMode), owned by the
-    module through the factory (graphs reach them by key through a weak registry)."""
+    module through the factory (graphs call their methods, so they live as long as the module)."""
     with maybe_disable_local_tensor_mode():
         template = FakeTemplate(model, device)
     seed = options.seed if options.seed is not None else torch.initial_seed()

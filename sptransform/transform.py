@@ -82,8 +82,8 @@ class Build:
     """The tensor-parallel process group's name."""
     dp_group: str | None
     """The data-parallel process group's name (``options.dp > 1``)."""
-    generators: int
-    """The key of the module's dropout generators (``runtime.rng.RankGenerators.key``)."""
+    generators: RankGenerators
+    """The module's dropout generators (the dropout pass's ops are their bound methods)."""
     overlap: bool
     """Whether gradient buckets stay in flight (``ParallelOptions.overlaps_buckets``)."""
     analysis: ModelAnalysis | None = None
@@ -258,7 +258,7 @@ PASSES: list[Pass] = [
 
 
 def build_parallel_graph(
-    template: FakeTemplate, args: tuple, kwargs: dict, options: ParallelOptions, group: str | None, generators: int,
+    template: FakeTemplate, args: tuple, kwargs: dict, options: ParallelOptions, group: str | None, generators: RankGenerators,
     dp_group: str | None = None, device_type: str = "cpu",
 ) -> ParallelGraph:
     """Capture, then ``PASSES`` in order. ``dp_group``: the data-parallel process group's name
@@ -410,8 +410,8 @@ class GraphFactory:
     """What a parallel module asks for when it meets a new input signature, mode or dtype: the
     transformed graph (``build``), the pipeline split, and, with ``recompute``, the
     AOTAutograd-partitioned runner (``compile``). Handing this to the runtime keeps
-    ``runtime/`` free of passes. It owns the module's dropout generators (graphs reach them
-    by key through a weak registry, so they are freed with the module)."""
+    ``runtime/`` free of passes. It owns the module's dropout generators (graphs call their
+    methods, so they are freed with the module and its graphs)."""
 
     template: FakeTemplate
     options: ParallelOptions
@@ -430,7 +430,7 @@ class GraphFactory:
         if dtypes is not None:
             with maybe_disable_local_tensor_mode():  # fake tensors of one rank, never simulated ones
                 self.template.retype(dtypes)
-        graph = build_parallel_graph(self.template, args, kwargs, self.options, self.group, self.generators.key,
+        graph = build_parallel_graph(self.template, args, kwargs, self.options, self.group, self.generators,
                                      self.dp_group, self.device.type)
         graph.gm.to(self.device)  # index tables the passes added live with the parameters
         return graph

@@ -15,6 +15,7 @@ import sptransform
 import sptransform.graph.analysis as graph_analysis
 import sptransform.graph.plan as graph_plan
 from simulate import fake_group
+from sptransform.runtime.rng import RankGenerators
 from sptransform.capture import FakeTemplate, capture
 from sptransform.options import ParallelOptions
 from sptransform.passes.base import declared_meta_keys, op_counts
@@ -52,7 +53,7 @@ def _tiny(**overrides):
 def _build(model, inputs, options: ParallelOptions):
     with fake_group(options.tp):
         return build_parallel_graph(FakeTemplate(model, torch.device("cpu")), inputs, {}, options,
-                                    dist.group.WORLD.group_name, generators=0)
+                                    dist.group.WORLD.group_name, generators=RankGenerators(0, options.tp, None))
 
 
 def test_every_pass_requires_only_what_the_start_or_an_earlier_pass_provides():
@@ -76,7 +77,7 @@ def test_the_meta_keys_a_build_writes_are_exactly_the_declared_ones(options):
     torch_keys = {key for n in captured.gm.graph.nodes for key in n.meta}
     with fake_group(options.tp * options.dp):
         graph = build_parallel_graph(FakeTemplate(model, torch.device("cpu")), inputs, {}, options,
-                                     dist.group.WORLD.group_name, generators=0,
+                                     dist.group.WORLD.group_name, generators=RankGenerators(0, options.tp, None),
                                      dp_group=dist.group.WORLD.group_name if options.dp > 1 else None)
     written = {key for n in graph.gm.graph.nodes for key in n.meta} - torch_keys
     assert written == declared_meta_keys(PASSES, Build)

@@ -37,8 +37,7 @@ class RankGraph:
     """Positions of parameters and buffers among ``inputs``."""
     notes: list[str]
     generators: RankGenerators | None = None
-    """The dropout generators the graph's dropout ops reach by key (weakly): held here so
-    they live as long as the graph."""
+    """The dropout generators whose methods the graph's dropout ops are."""
 
 
 @contextlib.contextmanager
@@ -76,7 +75,7 @@ def rank_graph(model: nn.Module, args: tuple, *, tp: int, sp: bool) -> RankGraph
     group = join_fake_group(tp)
     template = FakeTemplate(model, torch.device("cpu"))
     generators = RankGenerators(0, tp, 0)
-    graph = build_parallel_graph(template, tuple(args), {}, ParallelOptions(tp=tp, sp=sp), group, generators.key)
+    graph = build_parallel_graph(template, tuple(args), {}, ParallelOptions(tp=tp, sp=sp), group, generators)
     captured, plan = graph.captured, graph.plan
     placeholders = list(captured.gm.graph.find_nodes(op="placeholder"))
     fake_mode = detect_fake_mode([p.meta["val"] for p in placeholders if "val" in p.meta])

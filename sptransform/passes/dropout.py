@@ -1,7 +1,7 @@
 """Dropout of split activations.
 
     before:  y = dropout(x_r, p, train)                 # x_r: this rank's part
-    after:   y = independent_dropout(x_r, p, train, g)  # rank's own generator
+    after:   y = g.dropout_op(x_r, p, train)            # rank's own generator (g: the module's)
         or   y = reference_dropout(x_r, p, train, dim, table, rank, full_shape, full_stride)
 
 ``independent`` (default): masks of split activations come from a generator per
@@ -31,9 +31,8 @@ from typing import Literal
 import torch
 import torch.fx as fx
 
+from sptransform.runtime.rng import RankGenerators
 from sptransform.runtime.ops import (
-    independent_dropout,
-    independent_native_dropout,
     reference_dropout,
     reference_native_dropout,
 )
@@ -48,7 +47,7 @@ aten = torch.ops.aten
 
 
 def shard_dropout(
-    gm: fx.GraphModule, plan: ParallelPlan, *, mode: Literal["independent", "reference"], generators: int
+    gm: fx.GraphModule, plan: ParallelPlan, *, mode: Literal["independent", "reference"], generators: RankGenerators
 ) -> fx.GraphModule:
     changed = False
     for node in list(gm.graph.nodes):
@@ -74,8 +73,8 @@ def shard_dropout(
             node.target = reference_native_dropout if native else reference_dropout
             node.args = (x, p, train, spec.dim, table, plan.rank, list(val.shape), list(val.stride()))
         else:
-            node.target = independent_native_dropout if native else independent_dropout
-            node.args = (x, p, train, generators)
+            node.target = generators.native_dropout_op if native else generators.dropout_op
+            node.args = (x, p, train)
         node.kwargs = {}
         changed = True
     if changed:

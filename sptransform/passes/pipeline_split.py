@@ -43,12 +43,8 @@ from sptransform.graph.analysis import ModelAnalysis
 from sptransform.graph.blocks import ResidualBlock, describe_layers, find_residual_blocks, group_layers
 from sptransform.graph.cost import node_cost
 from sptransform.capture import CapturedGraph
-from sptransform.runtime.ops import (
-    independent_dropout,
-    independent_native_dropout,
-    reference_dropout,
-    reference_native_dropout,
-)
+from sptransform.runtime.ops import reference_dropout, reference_native_dropout
+from sptransform.runtime.rng import GeneratorOp
 
 from sptransform.torch_internals import OpOverload
 
@@ -460,8 +456,8 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
 
 def _is_random(node: fx.Node) -> bool:
     target = node.target
-    if target in (independent_dropout, reference_dropout, independent_native_dropout, reference_native_dropout):
-        return True
+    if target in (reference_dropout, reference_native_dropout) or isinstance(target, GeneratorOp):
+        return True  # the dropout pass's ops (``GeneratorOp``: drawing from the module's generators)
     if isinstance(target, OpOverload):
         return target.overloadpacket in _RANDOM_PACKETS or torch.Tag.nondeterministic_seeded in target.tags
     return False

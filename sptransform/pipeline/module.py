@@ -23,7 +23,9 @@ untied: when the schedule places the first and last stage on one rank (V-shaped,
 accumulates; otherwise each holding rank keeps a copy and ``step`` sums their
 gradients every step (copies start equal and receive equal updates).
 
-Like ``ParallelModule`` it follows the original's train/eval modes: the stages of another
+It is a ``runtime.core.ModuleCore``, like ``ParallelModule`` (the original's submodule tree,
+names, state dict and input checks), composed with this rank's stage runtimes and their
+schedule. It follows the original's train/eval modes: the stages of another
 mode combination are the model captured again in that mode and cut at the same stage
 starts (same layers, parameters and ranks), with their own torch schedule, built on the
 first ``step`` in that mode. ``step`` checks its batch before the schedule runs any
@@ -39,24 +41,17 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from dataclasses import dataclass
 
-from sptransform.capture import CapturedGraph, input_signature
+from sptransform.capture import input_signature
 from sptransform.graph.plan import ParallelGraph
 from sptransform.options import ParallelOptions, PipelineOptions
 from sptransform.pipeline.plan import PipelinePlan, first_microbatch
-from sptransform.runtime.checks import (
-    check_call, check_vocab, fingerprint, gather_fingerprints, leaf_names, raise_if_disagree, vocab_checks,
-)
-from sptransform.runtime.checkpoint import install_checkpoint_views
-from sptransform.runtime.module import mirror_modules
-from sptransform.runtime.zero import data_parallel_placement
-from sptransform.runtime.params import (
-    call_defaults, device_of, placement_of, set_by_path, shard_parameter, unloaded_error, unloaded_parameters,
-)
-from sptransform.runtime.rng import RngState
+from sptransform.runtime.checks import check_call, check_vocab, leaf_names, vocab_checks
+from sptransform.runtime.core import Agreement, ModuleCore
+from sptransform.runtime.params import get_by_path
 from sptransform.pipeline.schedule import fully_stored, schedule_spec
 from sptransform.pipeline.stage import StageModule, _FreeingStage, _Stage
 from sptransform.torch_internals import functorch_config, pytree
@@ -91,7 +86,7 @@ class _Run:
     schedule: object
 
 
-class PipelinedModule(nn.Module):
+class PipelinedModule(ModuleCore):
     def __init__(self, model: nn.Module, *, factory, options: ParallelOptions, pipeline: PipelineOptions,
                  mesh: DeviceMesh, example_args: tuple, example_kwargs: dict,
                  param_mesh: DeviceMesh | None = None, full_mesh: DeviceMesh | None = None):
@@ -100,17 +95,12 @@ class PipelinedModule(nn.Module):
         ``mesh``: this data-parallel replica's ``(pp, tp)`` mesh; with data parallelism,
         ``param_mesh`` the ``(dp, tp)`` mesh parameters live on and ``full_mesh`` the whole
         ``(dp, pp, tp)`` one (every rank creates every replica's tied-gradient groups)."""
-        super().__init__()
-        self._param_mesh, self._full_mesh = param_mesh, full_mesh
-        self._options, self._pipeline, self._mesh = options, pipeline, mesh
-        self._factory = factory
-        tp_mesh, pp_mesh = mesh["tp"], mesh["pp"]
-        self._tp_mesh, self._pp_group = tp_mesh, pp_mesh.get_group()
-        self._pp_rank, tp_rank = pp_mesh.get_local_rank(), tp_mesh.get_local_rank()
-        self._device = device_of(model)
-        self._call_defaults = call_defaults(model)
-        self._mode_names = [name for name, _ in model.named_modules()]
-        self._mode_modules = mirror_modules(self, model)
+        super().__init__(model, factory=factory, options=options, tp_mesh=mesh["tp"], param_mesh=param_mesh)
+        self._full_mesh = full_mesh
+        self._pipeline, self._mesh = pipeline, mesh
+        pp_mesh = mesh["pp"]
+        self._pp_group = pp_mesh.get_group()
+        self._pp_rank, tp_rank = pp_mesh.get_local_rank(), self._tp_mesh.get_local_rank()
         kwargs = {**self._call_defaults, **example_kwargs}
         check_call(example_args, kwargs, self._call_defaults, example=True)
         self._signature = input_signature(example_args, kwargs)
@@ -122,9 +112,11 @@ class PipelinedModule(nn.Module):
         self._placements = graph.plan.placements if graph.plan is not None else {}
         self._data_parallel = graph.data_parallel
         self._rank = torch.tensor(tp_rank, device=self._device)
-        local = self.pipeline_plan.stages_of(self._pp_rank)
-        self._unloaded: set[str] = set()  # built on meta, not yet loaded (runtime.params)
-        self._state = self._register_state(model, {n for s in local for n in s.state_names}, graph.captured)
+        captured = graph.captured
+        local = {name for stage in self.pipeline_plan.stages_of(self._pp_rank) for name in stage.state_names}
+        self._register_state(model, only=local - set(captured.constants))  # a rank holds its stages' state
+        self._state = {name: captured.constants[name] if name in captured.constants else get_by_path(self, name)
+                       for name in sorted(local, key=captured.state_names.index)}
         self._fixed = {i: x for i, x in enumerate(pytree.tree_leaves((tuple(mb_args), dict(mb_kwargs))))
                        if not isinstance(x, torch.Tensor)}
         self._runs = {self._mode_key(): self._make_run(self.pipeline_plan)}
@@ -132,45 +124,11 @@ class PipelinedModule(nn.Module):
         self._target = torch.zeros(pipeline.n_microbatches, device=self._device)
         self._loss_dtype = _loss_dtype(self.pipeline_plan)
         self._state_dtypes = self._dtypes()
-        captured = graph.captured
         self._vocab_checks = vocab_checks(captured.gm, len(captured.state_names), captured.num_user_inputs,
                                           graph.plan.vocab if graph.plan is not None else None)
-        self._rng = RngState(factory.generators, mesh, self._device)
-        install_checkpoint_views(self)  # state_dict(): entries DCP can save and load (runtime.checkpoint)
+        self._finish_state(mesh)
 
     # -- construction -------------------------------------------------------
-
-    def _register_state(self, model: nn.Module, names: set[str], captured: CapturedGraph) -> dict[str, torch.Tensor]:
-        aliases: dict[int, list[str]] = {}
-        for name, param in model.named_parameters(remove_duplicate=False):
-            aliases.setdefault(id(param), []).append(name)
-        params = dict(model.named_parameters(remove_duplicate=False))
-        buffers = dict(model.named_buffers(remove_duplicate=False))
-        state: dict[str, torch.Tensor] = {}
-        for name in sorted(names, key=captured.state_names.index):
-            if name in captured.constants:
-                state[name] = captured.constants[name]
-            elif name in params:
-                param = self._shard_parameter(name, params[name])
-                if params[name].device.type == "meta":
-                    self._unloaded.add(name)
-                for alias in aliases[id(params[name])]:
-                    set_by_path(self, alias, param, kind="parameter")
-                    state[alias] = param
-            else:
-                owner, _, leaf = name.rpartition(".")  # a non-persistent buffer stays out of state_dict()
-                persistent = leaf not in model.get_submodule(owner)._non_persistent_buffers_set
-                set_by_path(self, name, buffers[name], kind="buffer", persistent=persistent)
-                state[name] = buffers[name]
-        return state
-
-    def _shard_parameter(self, name: str, param: nn.Parameter) -> nn.Parameter:
-        placement = self._placements.get(name)
-        placement = placement_of(placement.storage) if placement is not None else Replicate()
-        if self._param_mesh is not None:
-            return shard_parameter(param, [data_parallel_placement(self._data_parallel, name), placement],
-                                   self._param_mesh, self._device)
-        return shard_parameter(param, placement, self._tp_mesh, self._device)
 
     def _tied_gradient_groups(self) -> list[tuple[str, dist.ProcessGroup]]:
         """For each tied parameter held on several pipeline ranks, the group that sums its
@@ -240,12 +198,6 @@ class PipelinedModule(nn.Module):
             run = self._runs[key] = self._make_run(self._factory.split_like(graph, self.pipeline_plan))
         return run
 
-    def _modes(self) -> dict[str, bool]:
-        return {name: module.training for name, module in zip(self._mode_names, self._mode_modules)}
-
-    def _mode_key(self) -> tuple[bool, ...]:
-        return tuple(module.training for module in self._mode_modules)
-
     def _dtypes(self) -> tuple:
         return tuple((name, t.dtype, t.device) for name, t in
                      [*self.named_parameters(remove_duplicate=False), *self.named_buffers(remove_duplicate=False)])
@@ -269,41 +221,38 @@ class PipelinedModule(nn.Module):
         return self._broadcast_loss(losses)
 
     def _prepare(self, args: tuple, kwargs: dict) -> _Run:
-        """The local checks, then one fingerprint gathered over tensor- and pipeline-parallel
-        ranks (``check_inputs``), before the schedule's first collective."""
-        error, run = None, None
-        try:
-            check_call(args, kwargs, self._call_defaults)
-            if self._dtypes() != self._state_dtypes:
-                raise ValueError(
-                    "the parameters' or buffers' dtypes or devices changed after parallelize (pm.to(...)): a pipelined "
-                    "module's stages are built for the dtypes it was made with; convert the original model first "
-                    "(model.to(dtype)) and parallelize it, or use pp=1, whose module follows .to(dtype)"
-                )
-            missing = unloaded_parameters(self, self._unloaded) if self._unloaded else []
-            if missing:
-                raise unloaded_error(missing)
-            if input_signature(args, kwargs) != self._signature:
-                raise ValueError(
-                    "step() got inputs of other shapes, types or structure than the example_inputs this pipeline "
-                    "was built for (shapes are fixed by the capture): pass example_inputs= shaped like your batches"
-                )
-            if self._vocab_checks:
-                check_vocab(self._vocab_checks, pytree.tree_leaves((tuple(args), dict(kwargs))),
-                            lambda: leaf_names(args, kwargs))
-            run = self._run_for_mode()
-        except Exception as err:  # held: raised after the ranks have compared notes
-            error = err
-        if self._options.check_inputs:
-            rows = fingerprint(args, kwargs, self._mode_key(), error is not None, self._device)
-            table = gather_fingerprints(rows, [self._tp_mesh.get_group(), self._pp_group], simulated=False)
-            tp = self._options.tp
-            this = self._pp_rank * tp + self._tp_mesh.get_local_rank()
-            raise_if_disagree(table, error, lambda: leaf_names(args, kwargs),
-                              lambda r: f"(pp {r // tp}, tp {r % tp})", this)
-        if error is not None:
-            raise error
-        return run
+        """The run of this call's modes after the local checks, then one fingerprint gathered over
+        tensor- and pipeline-parallel ranks (``check_inputs``), before the schedule's first
+        collective (``ModuleCore._checked``)."""
+        return self._checked(args, kwargs, lambda: self._local_checks(args, kwargs))
+
+    def _local_checks(self, args: tuple, kwargs: dict) -> _Run:
+        if self._dtypes() != self._state_dtypes:
+            raise ValueError(
+                "the parameters' or buffers' dtypes or devices changed after parallelize (pm.to(...)): a pipelined "
+                "module's stages are built for the dtypes it was made with; convert the original model first "
+                "(model.to(dtype)) and parallelize it, or use pp=1, whose module follows .to(dtype)"
+            )
+        self._check_loaded()
+        if input_signature(args, kwargs) != self._signature:
+            raise ValueError(
+                "step() got inputs of other shapes, types or structure than the example_inputs this pipeline "
+                "was built for (shapes are fixed by the capture): pass example_inputs= shaped like your batches"
+            )
+        if self._vocab_checks:
+            check_vocab(self._vocab_checks, pytree.tree_leaves((tuple(args), dict(kwargs))),
+                        lambda: leaf_names(args, kwargs))
+        return self._run_for_mode()
+
+    def _agreement(self) -> Agreement | None:
+        """With ``check_inputs``: over the tensor-parallel group, then the pipeline group; rank
+        ``pp * tp + tp_rank`` named by its coordinates."""
+        if not self._options.check_inputs:
+            return None
+        tp = self._options.tp
+        this = self._pp_rank * tp + self._tp_mesh.get_local_rank()
+        return Agreement([self._tp_mesh.get_group(), self._pp_group], False, this,
+                         lambda r: f"(pp {r // tp}, tp {r % tp})")
 
     def _sum_tied_gradients(self) -> None:
         with torch.no_grad():
@@ -359,11 +308,6 @@ class PipelinedModule(nn.Module):
                         "which returns the loss, then optimizer.step()")
 
     # -- state and inspection -------------------------------------------------
-
-    @property
-    def rng(self) -> RngState:
-        """Every rank's dropout and default generator state, a DCP ``Stateful`` (see ``ParallelModule.rng``)."""
-        return self._rng
 
     @property
     def stage_modules(self) -> list[StageModule]:

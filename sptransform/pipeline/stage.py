@@ -100,8 +100,7 @@ class StageModule(nn.Module):
             return t
 
         unpack = regather.unpack if regather is not None else (lambda t: t)
-        with (regather.collecting() if regather is not None else contextlib.nullcontext()), \
-                torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             out = run(*activations, *state, *user, *self._extra)
         outputs = out if isinstance(out, (tuple, list)) else (out,)
         state_storages = {StorageWeakRef(t.untyped_storage()) for t in state if isinstance(t, torch.Tensor)}

@@ -122,6 +122,7 @@ class VocabCheck:
     ignore_index: int | None = None
 
 
+# A constant table (never written at run time): ops through which token ids keep their values.
 _INDEX_PRESERVING = {
     aten.view, aten.reshape, aten._unsafe_view, aten.slice, aten.contiguous, aten.clone, aten.alias,
     aten.to, aten._to_copy, aten.constant_pad_nd, aten.pad, aten.expand, aten.t, aten.transpose, aten.permute,
@@ -244,6 +245,7 @@ def stable_hash(*parts: object) -> int:
     return int.from_bytes(digest, "little") & _MASK
 
 
+# A constant table (never written): the integer dtype of each width, to read a digest's bits.
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 

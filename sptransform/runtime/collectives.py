@@ -27,6 +27,9 @@ buckets do.
 
 from __future__ import annotations
 
+import functools
+import weakref
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -46,54 +49,42 @@ def _all_reduce_later(x: torch.Tensor, group: str) -> torch.Tensor:
     return _later(funcol.all_reduce(x.contiguous(), "sum", group))
 
 
-_IN_FLIGHT: list[torch.Tensor] = []
-"""Gradient-bucket collectives issued during the running backward pass, not yet waited on."""
-
-
 def _later(result: torch.Tensor) -> torch.Tensor:
     """A gradient bucket's collective, left in flight while the rest of the backward runs.
     Eagerly, ``result`` is torch's ``AsyncCollectiveTensor``: the gradients are views of it, and
-    reading one before the collective is done waits for it (views do not); in any case every
-    collective still in flight is waited on when the backward pass ends, as DDP does, so
-    ``.grad`` is complete after ``backward()`` and no collective outlives it. Traced (AOTAutograd,
+    reading one before the collective is done waits for it (views do not); in any case the
+    bucket is waited on when the backward pass ends, as DDP does, so ``.grad`` is complete after
+    ``backward()`` and no collective outlives it. The bucket owns its wait: a callback of the
+    running pass, and, for a pass that raised (the engine drops its callbacks), a finalizer that
+    waits when the result is freed; nothing is kept outside the pass. Traced (AOTAutograd,
     ``torch.compile``), ``result`` is already a ``wait_tensor`` node, which the overlap pass
     moves to its first reader."""
     if isinstance(result, funcol.AsyncCollectiveTensor):
-        _IN_FLIGHT.append(result)
-        # one callback per bucket (the first drains the list): a pass that raised never ran its
-        # callbacks, and what it left in flight is waited on at the end of the next one
-        queue_backward_callback(_wait_in_flight)
+        queue_backward_callback(result.trigger_wait)
+        weakref.finalize(result, funcol.wait_tensor, result.elem)
     return result
-
-
-_SETTLE: list[torch.nn.Parameter] = []
-"""Parameters whose ``.grad`` is a view of a bucket left in flight in the running backward."""
 
 
 def note_gradient(param: torch.nn.Parameter) -> None:
     """A parameter's post-accumulate-grad hook (``runtime.params.shard_parameter`` installs it):
-    a gradient that is a view of a bucket left in flight is noted, to be replaced by its plain
-    tensor once the bucket is waited on. Left as torch's ``AsyncCollectiveTensor``, ``.grad``
-    would send every optimizer op through one more Python dispatch (AdamW's step took 2x as long
-    on 60 such gradients)."""
+    a gradient that is a view of a bucket left in flight is replaced by its plain tensor once
+    the backward pass ends (a callback of that pass, queued after the bucket's wait). Left as
+    torch's ``AsyncCollectiveTensor``, ``.grad`` would send every optimizer op through one more
+    Python dispatch (AdamW's step took 2x as long on 60 such gradients)."""
     local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
     if isinstance(local, funcol.AsyncCollectiveTensor):
-        _SETTLE.append(param)
+        queue_backward_callback(functools.partial(_settle, param))
 
 
-def _wait_in_flight() -> None:
-    while _IN_FLIGHT:
-        _IN_FLIGHT.pop(0).wait()
-    while _SETTLE:
-        param = _SETTLE.pop()
-        grad = param.grad
-        if isinstance(grad, DTensor):
-            local = grad.to_local()
-            if isinstance(local, funcol.AsyncCollectiveTensor):
-                param.grad = DTensor.from_local(local.elem, grad.device_mesh, grad.placements, run_check=False,
-                                                shape=grad.shape, stride=grad.stride())
-        elif isinstance(grad, funcol.AsyncCollectiveTensor):
-            param.grad = grad.elem
+def _settle(param: torch.nn.Parameter) -> None:
+    grad = param.grad
+    if isinstance(grad, DTensor):
+        local = grad.to_local()
+        if isinstance(local, funcol.AsyncCollectiveTensor):
+            param.grad = DTensor.from_local(local.trigger_wait(), grad.device_mesh, grad.placements,
+                                            run_check=False, shape=grad.shape, stride=grad.stride())
+    elif isinstance(grad, funcol.AsyncCollectiveTensor):
+        param.grad = grad.trigger_wait()
 
 
 def _flat_bucket(grads, shapes) -> torch.Tensor:
@@ -255,5 +246,3 @@ def sync_grads(group: str, *params: torch.Tensor, overlap: bool = False) -> tupl
     over the group in one all-reduce (with ``overlap``, waited on when the backward ends)."""
     return _SyncGrads.apply(group, overlap, *params)
 
-
-COLLECTIVES = (copy_to_tp, reduce_from_tp, gather_seq, scatter_seq, gather_output, sync_grads, average_grads)

@@ -8,6 +8,7 @@ from sptransform.graph.placement import describe_placement
 from sptransform.runtime.collectives import copy_to_tp, gather_output, gather_seq, reduce_from_tp, scatter_seq, sync_grads
 from sptransform.runtime.ops import vocab_parallel_cross_entropy
 
+# A constant table (never written at run time), read by explain().
 COLLECTIVE_DIRECTIONS: dict = {
     # graph op: (collectives its forward runs, collectives its backward runs)
     copy_to_tp: ((), ("all-reduce",)),

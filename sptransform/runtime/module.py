@@ -6,7 +6,9 @@ signature, a captured and transformed graph on the local shards. The graphs come
 from a ``GraphFactory`` (``sptransform.transform``), handed in by ``parallelize``:
 the runtime runs graphs and never imports a pass.
 
-It behaves like the original module, not like the moment it was captured:
+It behaves like the original module, not like the moment it was captured (the mirror of
+the original, its modes, state dict and input checks are ``runtime.core.ModuleCore``, shared
+with the pipelined module):
 
 * **modes**: it mirrors the original's submodule tree (empty containers under the same
   names, holding the parameters), so ``pm.train()``, ``pm.eval()`` and
@@ -40,21 +42,18 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from sptransform.capture import CapturedGraph, InputsRejected, input_signature
 from sptransform.graph.analysis import find_loss_output
-from sptransform.graph.plan import ParallelGraph, ParallelPlan, ParamPlacement
+from sptransform.graph.plan import ParallelGraph, ParallelPlan
 from sptransform.graph.placement import DimShard
 from sptransform.options import ParallelOptions
-from sptransform.runtime.zero import data_parallel_placement, regather_saved
-from sptransform.runtime.params import (
-    call_defaults, contiguous_stride, device_of, get_by_path, held_share, placement_of, placeholder, set_by_path,
-    shard_parameter, unloaded_error, unloaded_parameters,
-)
 from sptransform.runtime.checks import (
-    VocabCheck, check_call, check_vocab, describe_inputs, differences, fingerprint, gather_fingerprints, leaf_names, raise_if_disagree, vocab_checks,
+    VocabCheck, check_call, check_vocab, describe_inputs, differences, leaf_names, vocab_checks,
 )
-from sptransform.runtime.checkpoint import install_checkpoint_views
+from sptransform.runtime.core import Agreement, ModuleCore, mirror_modules  # noqa: F401  (mirror_modules: re-exported)
 from sptransform.runtime.explain import explain
 from sptransform.runtime.ops import take_local
-from sptransform.runtime.rng import RankGenerators, RngState
+from sptransform.runtime.params import contiguous_stride, get_by_path, held_share
+from sptransform.runtime.rng import RankGenerators
+from sptransform.runtime.zero import regather_saved
 from sptransform.torch_internals import local_tensor_mode, pytree
 
 
@@ -82,27 +81,6 @@ class _Cached:
     vocab_checks: list[VocabCheck]
 
 
-def mirror_modules(root: nn.Module, model: nn.Module) -> list[nn.Module]:
-    """Give ``root`` an empty container for every submodule of ``model`` (same names, same
-    train/eval flags; ``nn.ModuleList``/``nn.ModuleDict`` for those) and return them in ``model.named_modules()`` order, root first: the
-    parameters are registered into these, and their flags say which mode each submodule of
-    the fake template is captured in."""
-    mirrored = []
-    for name, module in model.named_modules():
-        target = root
-        for part in name.split(".") if name else []:
-            child = target._modules.get(part)
-            if child is None:
-                # Lists and dicts of modules stay indexable: pm.transformer.h[0].eval() works.
-                child = nn.ModuleList() if isinstance(module, nn.ModuleList) else \
-                    nn.ModuleDict() if isinstance(module, nn.ModuleDict) else nn.Module()
-                target.add_module(part, child)
-            target = child
-        target.training = module.training
-        mirrored.append(target)
-    return mirrored
-
-
 def microbatches(args: tuple, kwargs: dict, n: int) -> list[tuple[tuple, dict]]:
     """``n`` equal slices along dim 0 of every tensor input (other inputs repeated)."""
     if n == 1:
@@ -122,7 +100,7 @@ def microbatches(args: tuple, kwargs: dict, n: int) -> list[tuple[tuple, dict]]:
     return out
 
 
-class ParallelModule(nn.Module):
+class ParallelModule(ModuleCore):
     def __init__(
         self,
         model: nn.Module,
@@ -136,20 +114,11 @@ class ParallelModule(nn.Module):
     ):
         """``mesh``: the tensor-parallel mesh; ``param_mesh``: the (dp, tp) mesh parameters live on
         with data parallelism (None without)."""
-        super().__init__()
-        self._options = options
-        self._mesh = mesh
-        self._param_mesh = param_mesh
-        self._factory = factory  # owns the fake template and the dropout generators
-        self._device = device_of(model)
-        self._call_defaults = call_defaults(model)
-        self._mode_names = [name for name, _ in model.named_modules()]
-        self._mode_modules = mirror_modules(self, model)
+        super().__init__(model, factory=factory, options=options, tp_mesh=mesh, param_mesh=param_mesh)
         self._state_names = [name for name, _ in model.named_parameters(remove_duplicate=False)] + [
             name for name, buf in model.named_buffers(remove_duplicate=False)]
         self._dtypes = tuple(get_by_path(model, name).dtype for name in self._state_names)
         self._graphs: OrderedDict[tuple, _Cached] = OrderedDict()
-        self._placements: dict[str, ParamPlacement] = {}
         example_kwargs = {**self._call_defaults, **example_kwargs}
         check_call(example_args, example_kwargs, self._call_defaults, example=True)
         self._example_inputs = describe_inputs(example_args, example_kwargs)
@@ -158,65 +127,17 @@ class ParallelModule(nn.Module):
         self._data_parallel = first.data_parallel
         self._graphs[self._cache_key(example_args, example_kwargs)] = self._cached(first)
         self._last = first
-        self._unloaded: set[str] = set()  # built on meta, not yet loaded (runtime.params)
         self._register_state(model)
         self._rank = self._rank_tensor()
-        self._rng = RngState(factory.generators, mesh, self._device)
-        install_checkpoint_views(self)  # state_dict(): entries DCP can save and load (runtime.checkpoint)
-
-    # -- construction -------------------------------------------------------
-
-    def _register_state(self, model: nn.Module) -> None:
-        converted: dict[int, nn.Parameter] = {}
-        aliases: dict[int, list[str]] = {}
-        for name, param in model.named_parameters(remove_duplicate=False):
-            aliases.setdefault(id(param), []).append(name)
-        for name, param in model.named_parameters(remove_duplicate=False):
-            if id(param) not in converted:
-                # A tied parameter is planned under whichever of its names the graph used.
-                planned = next((n for n in aliases[id(param)] if n in self._placements), name)
-                converted[id(param)] = self._shard_parameter(planned, param)
-                if param.device.type == "meta":
-                    self._unloaded.add(name)
-            set_by_path(self, name, converted[id(param)], kind="parameter")
-        for module_name, module in model.named_modules(remove_duplicate=False):
-            for buffer_name, buf in module._buffers.items():
-                if buf is None:
-                    continue
-                name = f"{module_name}.{buffer_name}" if module_name else buffer_name
-                if buf.device.type == "meta":
-                    raise ValueError(
-                        f"buffer {name!r} is on the meta device: only parameters can be left there "
-                        "(their shards are allocated here); give buffers their values before parallelize"
-                    )
-                persistent = buffer_name not in module._non_persistent_buffers_set
-                set_by_path(self, name, buf, kind="buffer", persistent=persistent)
-
-    def _shard_parameter(self, name: str, param: nn.Parameter) -> nn.Parameter:
-        if self._mesh is None:
-            if param.device.type == "meta":  # tp=1: the whole parameter, placeholders until loaded
-                return nn.Parameter(placeholder(param.shape, param.dtype, self._device), param.requires_grad)
-            return param
-        placement = placement_of(self._placements.get(name, ParamPlacement(None, "replicated")).storage)
-        if self._param_mesh is not None:
-            return shard_parameter(param, [data_parallel_placement(self._data_parallel, name), placement],
-                                   self._param_mesh, self._device)
-        return shard_parameter(param, placement, self._mesh, self._device)
+        self._finish_state(mesh)
 
     def _rank_tensor(self) -> torch.Tensor | None:
-        if self._mesh is None:
+        if self._tp_mesh is None:
             return None
         ranks = torch.arange(self._options.tp, device=self._device)
-        return distribute_tensor(ranks, self._mesh, [Shard(0)], src_data_rank=None).to_local().reshape(())
+        return distribute_tensor(ranks, self._tp_mesh, [Shard(0)], src_data_rank=None).to_local().reshape(())
 
-    # -- what selects a graph: modes, dtypes, inputs --------------------------
-
-    def _modes(self) -> dict[str, bool]:
-        """Each template submodule's train/eval flag, read from the mirrored containers."""
-        return {name: module.training for name, module in zip(self._mode_names, self._mode_modules)}
-
-    def _mode_key(self) -> tuple[bool, ...]:
-        return tuple(module.training for module in self._mode_modules)
+    # -- what selects a graph: modes (``ModuleCore``), dtypes, inputs ----------
 
     def _cache_key(self, args: tuple, kwargs: dict) -> tuple:
         return (self._mode_key(), input_signature(args, kwargs))
@@ -337,37 +258,29 @@ class ParallelModule(nn.Module):
         return cached.graph
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[_Cached, dict[str, torch.Tensor]]:
-        """Phase 1 (local: structure, graph, vocabulary), then phase 2 (ranks agree) — see
-        ``runtime.checks``. An error of phase 1 is raised after phase 2, on every rank."""
-        error, cached, values = None, None, {}
-        names = lambda: leaf_names(args, kwargs)  # noqa: E731  (only for messages)
-        try:
-            check_call(args, kwargs, self._call_defaults)
-            missing = unloaded_parameters(self, self._unloaded) if self._unloaded else []
-            if missing:
-                raise unloaded_error(missing)
-            cached, values = self._graph_for(args, kwargs)
-            if cached.vocab_checks:
-                check_vocab(cached.vocab_checks, pytree.tree_leaves((tuple(args), dict(kwargs))), names)
-        except Exception as err:  # held: raised below, after the ranks have compared notes
-            error = err
-        if self._agrees():
-            simulated = local_tensor_mode() is not None
-            rows = fingerprint(args, kwargs, self._mode_key(), error is not None, self._device)
-            table = gather_fingerprints(rows, [self._mesh.get_group()], simulated)
-            this = 0 if simulated else self._mesh.get_local_rank()
-            label = (lambda r: f"simulated rank {r}") if simulated else (lambda r: f"rank {r}")
-            raise_if_disagree(table, error, names, label, this)
-        if error is not None:
-            raise error
+        """The graph of this call and the state it reads, after the checks of both phases
+        (``ModuleCore._checked``)."""
+        return self._checked(args, kwargs, lambda: self._local_checks(args, kwargs))
+
+    def _local_checks(self, args: tuple, kwargs: dict) -> tuple[_Cached, dict[str, torch.Tensor]]:
+        self._check_loaded()
+        cached, values = self._graph_for(args, kwargs)
+        if cached.vocab_checks:
+            check_vocab(cached.vocab_checks, pytree.tree_leaves((tuple(args), dict(kwargs))),
+                        lambda: leaf_names(args, kwargs))
         return cached, values
 
-    def _agrees(self) -> bool:
-        """Whether this call runs phase 2: ``check_inputs``, more than one rank, and ranks that
-        exist (real ones, or LocalTensorMode's simulated ones; a bare fake group has none)."""
-        if not self._options.check_inputs or self._mesh is None or self._options.tp == 1:
-            return False
-        return local_tensor_mode() is not None or dist.get_backend(self._mesh.get_group()) != "fake"
+    def _agreement(self) -> Agreement | None:
+        """Phase 2 runs with ``check_inputs``, more than one rank, and ranks that exist (real
+        ones, or LocalTensorMode's simulated ones; a bare fake group has none)."""
+        if not self._options.check_inputs or self._tp_mesh is None or self._options.tp == 1:
+            return None
+        simulated = local_tensor_mode() is not None
+        if not simulated and dist.get_backend(self._tp_mesh.get_group()) == "fake":
+            return None
+        if simulated:
+            return Agreement([self._tp_mesh.get_group()], True, 0, lambda r: f"simulated rank {r}")
+        return Agreement([self._tp_mesh.get_group()], False, self._tp_mesh.get_local_rank(), lambda r: f"rank {r}")
 
     def _graph_inputs(self, graph: ParallelGraph, args: tuple, kwargs: dict) -> list:
         """The graph's inputs: local shards of the state, the flat user inputs, the rank."""
@@ -436,17 +349,11 @@ class ParallelModule(nn.Module):
         shape = list(local.shape)
         shape[spec.dim] = size
         return DTensor.from_local(
-            local, self._mesh, [Shard(spec.dim)], run_check=False, shape=torch.Size(shape),
+            local, self._tp_mesh, [Shard(spec.dim)], run_check=False, shape=torch.Size(shape),
             stride=contiguous_stride(shape),
         )
 
     # -- state and inspection -------------------------------------------------
-
-    @property
-    def rng(self) -> RngState:
-        """Every rank's dropout generator and default generator state, a DCP ``Stateful``:
-        ``dcp.save({"model": pm.state_dict(), "optim": opt.state_dict(), "rng": pm.rng}, ...)``."""
-        return self._rng
 
     @property
     def cached_graphs(self) -> int:

@@ -9,12 +9,11 @@ own value.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from sptransform.runtime.collectives import _all_reduce
-from sptransform.runtime.rng import RankGenerators, generators_of  # noqa: F401  (RankGenerators: re-exported)
-from sptransform.torch_internals import funcol, local_tensor_mode, tensor_map
+from sptransform.runtime.rng import RankGenerators  # noqa: F401  (re-exported)
+from sptransform.torch_internals import funcol, tensor_map
 
 
 def take_local(x: torch.Tensor, dim: int, table: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
@@ -192,37 +191,3 @@ def reference_native_dropout(
         return x.clone(), torch.ones_like(x, dtype=torch.bool)
     noise = _reference_noise(x, p, dim, table, rank, full_shape, full_stride)
     return x * noise, noise != 0
-
-
-def independent_dropout(x: torch.Tensor, p: float, train: bool, generators: int) -> torch.Tensor:
-    """Dropout of a sharded activation with this rank's own generator. ``generators`` is the
-    key of the owning module's ``RankGenerators`` (``sptransform.runtime.rng``): a weak
-    registry entry, so the graph holds no reference that would keep the module's state alive."""
-    if not train or p == 0:
-        return x
-    return x * _independent_noise(x, p, generators)
-
-
-def independent_native_dropout(
-    x: torch.Tensor, p: float, train: bool | None, generators: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``independent_dropout`` for ``aten.native_dropout``: ``(output, bool mask)``; ``train=None``
-    means training, as in ATen."""
-    if train is False or p == 0:
-        return x.clone(), torch.ones_like(x, dtype=torch.bool)
-    noise = _independent_noise(x, p, generators)
-    return x * noise, noise != 0
-
-
-def _independent_noise(x: torch.Tensor, p: float, generators: int) -> torch.Tensor:
-    gens = generators_of(generators)
-    mode = local_tensor_mode()
-
-    def draw(r: int, t: torch.Tensor) -> torch.Tensor:
-        keep = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-        keep.bernoulli_(1 - p, generator=gens.get(r, t.device))
-        return keep if p == 1 else keep.div_(1 - p)  # p == 1: zeros, as ATen (no 0 / 0)
-
-    if mode is not None:
-        return tensor_map(x, draw)
-    return draw(gens.rank if gens.rank is not None else dist.get_rank(), x)

@@ -2,9 +2,11 @@
 
 ``RankGenerators`` holds one ``torch.Generator`` per (rank, device), seeded ``seed + 1 + rank``:
 masks of split activations differ across ranks and repeat run after run. A graph's dropout op
-reaches its generators through an int key in a *weak* registry: the module that owns the
-``RankGenerators`` (through its ``GraphFactory``) keeps it alive, and when the module is freed
-the entry disappears. Nothing global grows with the number of ``parallelize`` calls.
+is a ``GeneratorOp``: a method of the module's ``RankGenerators``, bound weakly. The module owns
+the generators (through its ``GraphFactory``) and they are freed with it; nothing is registered
+outside the module. (Weakly, because torch.export keeps the last capture's graph nodes in a
+global map of its own, ``_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT``, until the next export: a
+strong reference there would keep a dropped module's generators alive.)
 
 ``RngState`` is ``pm.rng``: a ``torch.distributed.checkpoint.stateful.Stateful`` whose state is
 every rank's dropout generator and default torch generator, as DTensors sharded over the mesh
@@ -14,17 +16,15 @@ bit, also in a module built with another seed.
 
 from __future__ import annotations
 
-import itertools
 import weakref
+from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from sptransform.torch_internals import local_tensor_mode, local_values
-
-_REGISTRY: "weakref.WeakValueDictionary[int, RankGenerators]" = weakref.WeakValueDictionary()
-_KEYS = itertools.count()
+from sptransform.torch_internals import local_tensor_mode, local_values, tensor_map
 
 
 class RankGenerators:
@@ -32,16 +32,16 @@ class RankGenerators:
 
     ``rank``: this process's rank in the tensor-parallel group, or None when the graphs
     serve LocalTensorMode's simulated ranks (each then draws from its own generator).
-    ``key`` is what graphs carry (an int keeps graphs printable, deep-copyable and free of
-    references to the module)."""
+    Graphs call ``dropout_op`` / ``native_dropout_op``: its ``independent_dropout`` /
+    ``independent_native_dropout``, weakly bound (``GeneratorOp``)."""
 
     def __init__(self, seed: int, group_size: int, rank: int | None):
         self.seed = seed
         self.group_size = group_size
         self.rank = rank
         self._generators: dict[tuple[int, torch.device], torch.Generator] = {}
-        self.key = next(_KEYS)
-        _REGISTRY[self.key] = self
+        self.dropout_op = GeneratorOp(self, RankGenerators.independent_dropout)
+        self.native_dropout_op = GeneratorOp(self, RankGenerators.independent_native_dropout)
 
     def get(self, rank: int, device: torch.device) -> torch.Generator:
         key = (rank, torch.device(device))
@@ -53,20 +53,53 @@ class RankGenerators:
         """The ranks this process draws for: its own, or every simulated one."""
         return list(range(self.group_size)) if self.rank is None else [self.rank]
 
+    # -- the graph ops (``passes.dropout`` puts them in place of ATen's dropout) --
 
-def generators_of(key: int) -> RankGenerators:
-    gens = _REGISTRY.get(key)
-    if gens is None:
-        raise RuntimeError(
-            f"the dropout generators (key {key}) of this graph's parallel module were freed: the graph outlived "
-            "the module that parallelize returned; keep that module alive while its graphs run"
-        )
-    return gens
+    def independent_dropout(self, x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
+        """Dropout of a sharded activation with this rank's own generator."""
+        if not train or p == 0:
+            return x
+        return x * self._noise(x, p)
+
+    def independent_native_dropout(self, x: torch.Tensor, p: float, train: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``independent_dropout`` for ``aten.native_dropout``: ``(output, bool mask)``; ``train=None``
+        means training, as in ATen."""
+        if train is False or p == 0:
+            return x.clone(), torch.ones_like(x, dtype=torch.bool)
+        noise = self._noise(x, p)
+        return x * noise, noise != 0
+
+    def _noise(self, x: torch.Tensor, p: float) -> torch.Tensor:
+        def draw(r: int, t: torch.Tensor) -> torch.Tensor:
+            keep = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            keep.bernoulli_(1 - p, generator=self.get(r, t.device))
+            return keep if p == 1 else keep.div_(1 - p)  # p == 1: zeros, as ATen (no 0 / 0)
+
+        if local_tensor_mode() is not None:
+            return tensor_map(x, draw)
+        return draw(self.rank if self.rank is not None else dist.get_rank(), x)
 
 
-def live_generator_count() -> int:
-    """How many ``RankGenerators`` are alive (one per parallel module that exists)."""
-    return len(_REGISTRY)
+class GeneratorOp:
+    """A graph op that draws from a module's generators: ``method`` bound to ``generators``
+    weakly. FX calls it like a function and names it by ``__name__`` (graphs stay printable);
+    ``__func__`` is the method, as for a bound method."""
+
+    def __init__(self, generators: RankGenerators, method: Callable):
+        self._generators = weakref.ref(generators)
+        self.__func__ = method
+        self.__name__, self.__qualname__, self.__module__ = method.__name__, method.__qualname__, method.__module__
+
+    def __call__(self, *args):
+        generators = self._generators()
+        if generators is None:
+            raise RuntimeError(
+                "the dropout generators of this graph's parallel module were freed: the graph outlived the "
+                "module that parallelize returned; keep that module alive while its graphs run")
+        return self.__func__(generators, *args)
+
+    def __repr__(self) -> str:
+        return f"<GeneratorOp {self.__qualname__}>"
 
 
 def _default_generator_state(device: torch.device) -> torch.Tensor:
@@ -155,4 +188,4 @@ class RngState:
         return {self._generators.rank if self._generators.rank is not None else 0: flat[0]}
 
 
-__all__ = ["RankGenerators", "RngState", "generators_of", "live_generator_count"]
+__all__ = ["GeneratorOp", "RankGenerators", "RngState"]

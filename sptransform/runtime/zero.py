@@ -7,25 +7,22 @@ averages them over the group.
 
 A gathered parameter is read by the ops that use it, and autograd would keep it alive for
 their backward (a linear saves its weight), so ZeRO-3 would save nothing. ``regather_saved``
-is the saved-tensor hook that prevents it: a gathered parameter saved for backward is stored as
-its bucket and position, and gathered again when the backward needs it (the last two buckets
-gathered again are kept, since a layer's backward reads its parameters one after another).
+is the saved-tensor hook that prevents it: a gathered parameter saved for backward (or a view of
+it) is stored as its bucket and position, and gathered again when the backward needs it (the last
+two buckets gathered again are kept, since a layer's backward reads its parameters one after
+another). The hook finds the bucket through the tensor's own autograd history (the gather's
+backward node holds it and its outputs' storages; a view reaches it through its view nodes), so
+nothing is registered outside the forward that gathered.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections import OrderedDict
 
 import torch
 
 from sptransform.runtime.collectives import _all_gather, _reduce_scatter, _reduce_scatter_later
 from sptransform.torch_internals import StorageWeakRef
-
-_ACTIVE: list[dict] = []
-"""The registries of the ``regather_saved`` contexts entered (innermost last): storage of a
-gathered parameter -> (its bucket, its position in it)."""
-
 
 class _Bucket:
     """What gathering a bucket again needs: this rank's pieces, how to rebuild, the group."""
@@ -58,11 +55,9 @@ class _GatherParams(torch.autograd.Function):
         ctx.group, ctx.size, ctx.dims, ctx.shapes, ctx.overlap = group, size, dims, shapes, overlap
         ctx.piece_shapes = [p.shape for p in pieces]
         ctx.dtypes = [p.dtype for p in pieces]
-        bucket = _Bucket(pieces, group, size, dims, shapes)
-        full = bucket.gather()
-        if _ACTIVE:
-            for index, tensor in enumerate(full):
-                _ACTIVE[-1][StorageWeakRef(tensor.untyped_storage())] = (bucket, index)
+        ctx.bucket = _Bucket(pieces, group, size, dims, shapes)  # read by ``Regather.pack`` (``_gathered``)
+        full = ctx.bucket.gather()
+        ctx.storages = [StorageWeakRef(t.untyped_storage()) for t in full]
         return tuple(full)
 
     @staticmethod
@@ -93,7 +88,30 @@ def gather_params(group: str, size: int, dims: list[int], shapes: list[list[int]
     return _GatherParams.apply(group, size, tuple(dims), tuple(tuple(s) for s in shapes), overlap, *pieces)
 
 
-_REGATHER = object()
+_REGATHER = object()  # a constant marker: what ``Regather.pack`` stores for a gathered parameter
+
+
+_VIEW_DEPTH = 8
+"""How many one-input autograd nodes (a view's ``t``, ``view``, ``expand``...) ``_gathered`` walks up."""
+
+
+def _gathered(tensor: torch.Tensor) -> tuple[_Bucket, int] | None:
+    """The bucket and position of the gathered parameter ``tensor`` is, or shares storage with (a
+    view of it): walking up one-input autograd nodes from ``tensor`` reaches a ``_GatherParams``
+    backward whose output ``index`` has ``tensor``'s storage."""
+    storage = StorageWeakRef(tensor.untyped_storage())
+    fn, index = tensor.grad_fn, tensor.output_nr
+    for _ in range(_VIEW_DEPTH):
+        if fn is None:
+            return None
+        storages = getattr(fn, "storages", None)
+        if storages is not None and isinstance(getattr(fn, "bucket", None), _Bucket):
+            return (fn.bucket, index) if storages[index] == storage else None
+        sources = [(source, nr) for source, nr in fn.next_functions if source is not None]
+        if len(sources) != 1:
+            return None
+        fn, index = sources[0]
+    return None
 
 
 class Regather:
@@ -102,11 +120,10 @@ class Regather:
     composed with other hooks; ``with Regather():`` installs them alone."""
 
     def __init__(self):
-        self.registry: dict = {}
         self.cache: OrderedDict[int, list[torch.Tensor]] = OrderedDict()
 
     def pack(self, tensor: torch.Tensor):
-        found = self.registry.get(StorageWeakRef(tensor.untyped_storage()))
+        found = _gathered(tensor)
         if found is None:
             return tensor
         bucket, index = found
@@ -123,23 +140,13 @@ class Regather:
                 self.cache.popitem(last=False)
         return self.cache[key][index].as_strided(size, stride, offset)
 
-    @contextlib.contextmanager
-    def collecting(self):
-        """Gathers made inside register their outputs here (for ``pack``)."""
-        _ACTIVE.append(self.registry)
-        try:
-            yield self
-        finally:
-            _ACTIVE.remove(self.registry)
-
     def __enter__(self):
-        self._contexts = contextlib.ExitStack()
-        self._contexts.enter_context(self.collecting())
-        self._contexts.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack))
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc):
-        return self._contexts.__exit__(*exc)
+        return self._hooks.__exit__(*exc)
 
 
 def regather_saved() -> Regather:

@@ -45,7 +45,6 @@ def _train(kind: str, *, dp: int, tp: int, pp: int, zero: int, recompute: str = 
     ``pp=1``, ``PipelinedModule.clip_grad_norm_`` across the stages).
     Returns per-rank state bytes and what ZeRO-3 did not keep."""
     import sptransform
-    import sptransform.runtime.collectives as collectives
     import sptransform.runtime.module as module_
     import sptransform.runtime.zero as zero_
     from sptransform.torch_internals import StorageWeakRef
@@ -88,7 +87,7 @@ def _train(kind: str, *, dp: int, tp: int, pp: int, zero: int, recompute: str = 
             dist.all_reduce(mean)  # every rank of a data-parallel replica holds that replica's loss
             torch.testing.assert_close(mean / dist.get_world_size(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
             # overlap: every bucket waited on when backward ended, every .grad a plain tensor again
-            assert not collectives._IN_FLIGHT and not collectives._SETTLE
+            assert torch._C._distributed_c10d._get_work_registry_size() == 0
             unsettled = [n for n, p in pm.named_parameters() if isinstance(p.grad.to_local(), AsyncCollectiveTensor)]
             assert not unsettled, unsettled
             # the norm over every piece of every gradient: on the (dp, tp) mesh, and over the stages

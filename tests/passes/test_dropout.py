@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import sptransform
 from sptransform.torch_internals import maybe_disable_local_tensor_mode
-from sptransform.runtime.ops import RankGenerators, independent_dropout
+from sptransform.runtime.rng import RankGenerators
 from simulate import per_rank, simulated_ranks
 from tiny_models import TinyConfig, TinyLM
 
@@ -25,8 +25,8 @@ def test_split_activations_get_different_masks_on_each_rank_and_the_same_ones_fo
     with simulated_ranks(4) as mode:
         ones = mode.rank_map(lambda r: torch.ones(64, 64))
         gens, gens_again = RankGenerators(7, 4, None), RankGenerators(7, 4, None)  # alive while used
-        first = per_rank(independent_dropout(ones, 0.5, True, gens.key))
-        again = per_rank(independent_dropout(ones, 0.5, True, gens_again.key))
+        first = per_rank(gens.independent_dropout(ones, 0.5, True))
+        again = per_rank(gens_again.independent_dropout(ones, 0.5, True))
     assert all(not torch.equal(first[0], m) for m in first[1:])
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     assert 0.4 < float((first[0] == 0).float().mean()) < 0.6
@@ -85,11 +85,13 @@ def _dropouts_of(mode: str, sp: bool) -> list:
 def test_native_dropout_of_a_functionalized_graph_is_sharded_like_dropout():
     """Before: native_dropout was left as is and drew each rank's mask on its shard from the default
     generator (not the single device's mask; on real ranks, the same pattern on every shard)."""
-    from sptransform.runtime.ops import independent_native_dropout, reference_native_dropout
+    from sptransform.runtime.ops import reference_native_dropout
 
-    for mode, local in (("independent", independent_native_dropout), ("reference", reference_native_dropout)):
+    # independent: a method of the module's generators (the graph draws from them)
+    for mode, local in (("independent", RankGenerators.independent_native_dropout), ("reference", reference_native_dropout)):
         nodes = _dropouts_of(mode, sp=True)  # every dropout input is split along the sequence
-        assert nodes and all(n.target is local for n in nodes), (mode, [n.format_node() for n in nodes])
+        assert nodes and all(getattr(n.target, "__func__", n.target) is local for n in nodes), \
+            (mode, [n.format_node() for n in nodes])
 
 
 def test_train_mode_verify_of_a_functionalized_graph_with_dropout_is_equal_with_sp():
@@ -103,15 +105,16 @@ def test_train_mode_verify_of_a_functionalized_graph_with_dropout_is_equal_with_
 
 
 def test_native_dropout_mask_output_and_eval():
-    from sptransform.runtime.ops import RankGenerators, independent_native_dropout
+    from sptransform.runtime.rng import RankGenerators
 
     gens = RankGenerators(3, 1, 0)
+    independent_native_dropout = gens.independent_native_dropout
     x = torch.arange(1.0, 65.0)
-    out, mask = independent_native_dropout(x, 0.5, None, gens.key)  # train=None: training, as in ATen
+    out, mask = independent_native_dropout(x, 0.5, None)  # train=None: training, as in ATen
     assert mask.dtype is torch.bool and torch.equal(out, torch.where(mask, x * 2, 0.0))
-    out, mask = independent_native_dropout(x, 0.5, False, gens.key)
+    out, mask = independent_native_dropout(x, 0.5, False)
     assert torch.equal(out, x) and bool(mask.all())
-    out, mask = independent_native_dropout(x, 1.0, True, gens.key)
+    out, mask = independent_native_dropout(x, 1.0, True)
     assert not bool(out.any()) and not bool(mask.any()) and not out.isnan().any()
 
 
