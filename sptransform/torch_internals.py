@@ -410,6 +410,14 @@ def deepcopy_dispatch_table() -> dict:
     return copy._deepcopy_dispatch
 
 
+def non_persistent_buffer_names(module) -> set:
+    """Names of ``module``'s own buffers registered with ``persistent=False``
+    (``nn.Module._non_persistent_buffers_set``): the parallel module registers each buffer as
+    the original did, so its state dict has the original's keys. Public replacement: none
+    (``state_dict`` omits them, but also omits what a state-dict hook drops)."""
+    return set(module._non_persistent_buffers_set)
+
+
 __all__ = [
     "DTensorSpec", "DecompShardingStrategy", "GuardOnDataDependentSymNode", "OpOverload", "OpSchema",
     "RuntimeSchemaInfo", "TensorMeta", "TupleStrategy", "abstract_device_mesh", "disable_current_modes",
@@ -425,7 +433,7 @@ __all__ = [
     "maybe_disable_local_tensor_mode", "min_cut_rematerialization_partition", "partitioners", "pytree",
     "queue_backward_callback", "quiet_fake_tensor_meta_failures", "resolve_process_group", "run_and_save_rng_state",
     "run_with_rng_state", "stage_forward_cache", "stride_reporting", "tensor_map", "tracing_limit_errors",
-    "autograd_function_class", "deepcopy_dispatch_table", "extract_fwd_bwd_modules", "op_qualified_name", "op_schema",
+    "autograd_function_class", "deepcopy_dispatch_table", "non_persistent_buffer_names", "extract_fwd_bwd_modules", "op_qualified_name", "op_schema",
     "propagate_through_decomposition", "wrap_with_op_strategy",
 ]
 

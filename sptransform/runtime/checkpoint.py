@@ -216,7 +216,7 @@ class _ShardWholeEntries:
 
     def __call__(self, module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
         for name in self.names:
-            key, param = prefix + name, module._parameters.get(name)
+            key, param = prefix + name, dict(module.named_parameters(recurse=False, remove_duplicate=False)).get(name)
             value = state_dict.get(key)
             if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
                     and value.shape == param.shape:

@@ -28,6 +28,7 @@ from sptransform.graph.plan import ParamPlacement
 from sptransform.options import ParallelOptions
 from sptransform.runtime.checkpoint import install_checkpoint_views
 from sptransform.runtime.checks import check_call, fingerprint, gather_fingerprints, leaf_names, raise_if_disagree
+from sptransform.torch_internals import non_persistent_buffer_names
 from sptransform.runtime.params import (
     call_defaults, device_of, placeholder, placement_of, set_by_path, shard_parameter, unloaded_error,
     unloaded_parameters,
@@ -47,7 +48,7 @@ def mirror_modules(root: nn.Module, model: nn.Module) -> list[nn.Module]:
     for name, module in model.named_modules():
         target = root
         for part in name.split(".") if name else []:
-            child = target._modules.get(part)
+            child = dict(target.named_children()).get(part)
             if child is None:
                 # Lists and dicts of modules stay indexable: pm.transformer.h[0].eval() works.
                 child = nn.ModuleList() if isinstance(module, nn.ModuleList) else \
@@ -113,7 +114,8 @@ class ModuleCore(nn.Module):
                     self._unloaded.add(name)
             set_by_path(self, name, converted[id(param)], kind="parameter")
         for module_name, module in model.named_modules(remove_duplicate=False):
-            for buffer_name, buf in module._buffers.items():
+            non_persistent = non_persistent_buffer_names(module)
+            for buffer_name, buf in module.named_buffers(recurse=False, remove_duplicate=False):
                 name = f"{module_name}.{buffer_name}" if module_name else buffer_name
                 if buf is None or (only is not None and name not in only):
                     continue
@@ -122,7 +124,7 @@ class ModuleCore(nn.Module):
                         f"buffer {name!r} is on the meta device: only parameters can be left there "
                         "(their shards are allocated here); give buffers their values before parallelize"
                     )
-                persistent = buffer_name not in module._non_persistent_buffers_set
+                persistent = buffer_name not in non_persistent
                 set_by_path(self, name, buf, kind="buffer", persistent=persistent)
 
     def _shard_parameter(self, name: str, param: nn.Parameter) -> nn.Parameter:

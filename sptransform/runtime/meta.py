@@ -40,12 +40,11 @@ def meta_parameters() -> Iterator[None]:
     register = nn.Module.register_parameter
 
     def register_on_meta(module: nn.Module, name: str, param) -> None:
-        register(module, name, param)
-        param = module._parameters.get(name)
         if param is not None and param.device.type != "meta":
             kwargs = dict(param.__dict__)
             kwargs["requires_grad"] = param.requires_grad
-            module._parameters[name] = type(param)(param.to("meta"), **kwargs)
+            param = type(param)(param.to("meta"), **kwargs)
+        register(module, name, param)
 
     nn.Module.register_parameter = register_on_meta
     try:

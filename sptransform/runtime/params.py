@@ -191,7 +191,7 @@ def set_by_path(root: nn.Module, path: str, value, *, kind: str, persistent: boo
     *parents, leaf = path.split(".")
     module = root
     for part in parents:
-        child = module._modules.get(part)
+        child = dict(module.named_children()).get(part)
         if child is None:
             child = nn.Module()
             module.add_module(part, child)
@@ -204,7 +204,4 @@ def set_by_path(root: nn.Module, path: str, value, *, kind: str, persistent: boo
 
 def get_by_path(root: nn.Module, path: str):
     *parents, leaf = path.split(".")
-    module = root
-    for part in parents:
-        module = module._modules[part]
-    return getattr(module, leaf)
+    return getattr(root.get_submodule(".".join(parents)), leaf)
