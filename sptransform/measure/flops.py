@@ -1,15 +1,7 @@
 """FLOPs counted on the aten ops of a graph, from the shapes in ``node.meta["val"]``.
 
-Three separate counts per op, never mixed:
-
-* ``matmul_flops``: matrix multiplies and attention kernels, with the formulas of
-  ``torch.utils.flop_counter`` (2*m*n*k per GEMM). This is the paper's convention
-  (Korthikanti et al., Appendix A, count GEMMs only) and what "FLOPs" means in
-  every report here.
-* ``elementwise``: one per element of the largest tensor a non-matmul op reads or
-  writes (softmax, dropout, norms, GELU, ...); views are free.
-* ``comm_bytes``: for a collective, the bytes of the full (gathered / unreduced)
-  tensor it moves.
+The three counts per op (``matmul_flops``, ``elementwise``, ``comm_bytes``) are
+``graph.cost``'s; see its docstring for what each counts.
 
 Model FLOPs are those of the joint forward+backward graph, each op once (no
 recompute); hardware FLOPs are those of the partitioned forward and backward graphs,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -113,3 +114,21 @@ def declared_meta_keys(passes: Sequence[Pass], build_type) -> set[str]:
     """The ``node.meta`` keys ``passes`` declare they write (their ``adds`` that are no build field)."""
     fields = {f.name for f in dataclasses.fields(build_type)}
     return {key for p in passes for key in p.adds if key not in fields}
+
+
+def insert_bucket(gm: fx.GraphModule, target: Callable, args: tuple, kwargs: dict, members: Sequence[fx.Node],
+                  readers: dict[fx.Node, list[fx.Node]]) -> fx.Node:
+    """Gradient and parameter buckets, as the tensor- and data-parallel passes insert them.
+
+        before:  a = reader(p0); b = reader(p1)
+        after:   bucket = target(*args, p0, p1); a = reader(bucket[0]); b = reader(bucket[1])
+
+    Called inside ``gm.graph.inserting_before(...)``; ``readers[p]`` are the nodes that read
+    ``p`` now (listed before the bucket was inserted, which reads ``p`` itself)."""
+    bucket = gm.graph.call_function(target, args, kwargs)
+    for i, p in enumerate(members):
+        out = gm.graph.call_function(operator.getitem, (bucket, i))
+        out.meta["val"] = p.meta.get("val")
+        for reader in readers[p]:
+            reader.replace_input_with(p, out)
+    return bucket

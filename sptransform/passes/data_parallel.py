@@ -22,12 +22,12 @@ the nodes it makes carry the parameter's ``val`` (global shapes, as every node's
 
 from __future__ import annotations
 
-import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch.fx as fx
 
+from sptransform.passes.base import insert_bucket
 from sptransform.runtime.collectives import average_grads
 from sptransform.runtime.zero import gather_params
 
@@ -70,20 +70,12 @@ def data_parallel(gm: fx.GraphModule, params: dict[fx.Node, str], plan: DataPara
         with gm.graph.inserting_before(first_user):
             if gathered:
                 names = [used[p] for p in members]
-                bucket = gm.graph.call_function(gather_params, (
-                    plan.group, plan.size, [plan.dims[n] for n in names],
-                    [list(plan.local_shapes[n]) for n in names], *members), {"overlap": plan.overlap})
+                insert_bucket(gm, gather_params, (plan.group, plan.size, [plan.dims[n] for n in names],
+                                                  [list(plan.local_shapes[n]) for n in names], *members),
+                              {"overlap": plan.overlap}, members, readers)
             else:
-                bucket = gm.graph.call_function(average_grads, (plan.group, plan.size, *members),
-                                                {"overlap": plan.overlap})
-            outs = []
-            for i, p in enumerate(members):
-                out = gm.graph.call_function(operator.getitem, (bucket, i))
-                out.meta["val"] = p.meta.get("val")
-                outs.append(out)
-        for p, out in zip(members, outs):
-            for reader in readers[p]:
-                reader.replace_input_with(p, out)
+                insert_bucket(gm, average_grads, (plan.group, plan.size, *members), {"overlap": plan.overlap},
+                              members, readers)
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -38,7 +38,6 @@ split) on every node whose output is split.
 
 from __future__ import annotations
 
-import operator
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Literal
@@ -53,6 +52,7 @@ from sptransform.graph.propagate import Propagation, move_kind
 from sptransform.graph.rules import ShardingError, is_split, local_slice_bounds, slice_bounds
 from sptransform.graph.nodes import describe, packet, shape_of
 from sptransform.torch_internals import op_schema
+from sptransform.passes.base import insert_bucket
 from sptransform.passes.localize import index_table, localize, localize_split
 from sptransform.runtime.collectives import copy_to_tp, gather_output, gather_seq, reduce_from_tp, scatter_seq, sync_grads
 from sptransform.runtime.ops import (
@@ -453,15 +453,7 @@ def _bucket_parameters(gm: fx.GraphModule, partial: list[fx.Node], params: dict[
         first_user = min((u for p in members for u in p.users), key=lambda u: position[u])
         users = {p: list(p.users) for p in members}
         with gm.graph.inserting_before(first_user):
-            bucket = gm.graph.call_function(sync_grads, (plan.group, *members), {"overlap": plan.overlap})
-            outs = []
-            for i, p in enumerate(members):
-                out = gm.graph.call_function(operator.getitem, (bucket, i))
-                out.meta["val"] = p.meta.get("val")
-                outs.append(out)
-        for p, out in zip(members, outs):
-            for user in users[p]:
-                user.replace_input_with(p, out)
+            insert_bucket(gm, sync_grads, (plan.group, *members), {"overlap": plan.overlap}, members, users)
 
 
 # ---------------------------------------------------------------------------
