@@ -26,6 +26,13 @@ def test_heads_not_divisible_by_tp_names_heads_and_valid_tp():
         _parallelize(config, 4)
 
 
+def test_the_message_counts_the_models_kv_heads_not_their_repeats():
+    """6 heads over 2 grouped K/V heads, expanded to 6 before attention: tp=4 names 2 K/V heads."""
+    config = TinyConfig(hidden=24, heads=6, kv_heads=2, ffn=48, sdpa=True)
+    with simulated_ranks(4), pytest.raises(ValueError, match=r"tp=4 does not divide the 6 attention heads / 2 K/V heads"):
+        _parallelize(config, 4)
+
+
 def test_fewer_kv_heads_than_tp_run_replicated_and_train_like_single_device():
     """2 K/V heads at tp=4: each rank computes the K/V heads and keeps the one its query heads
     use; the K/V weights stay whole and their gradients are summed over the ranks."""

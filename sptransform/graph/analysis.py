@@ -582,10 +582,29 @@ def _sizes(region: Region) -> str:
     for node in region.specs:
         if packet(node) is aten.scaled_dot_product_attention:
             q, k = node.args[:2]
-            return f"{shape_of(q)[-3]} attention heads / {shape_of(k)[-3]} K/V heads"
+            return f"{shape_of(q)[-3]} attention heads / {_kv_heads(k)} K/V heads"
         if packet(node) in (aten.softmax, aten._softmax):
             return f"{shape_of(node)[-3]} attention heads (or their K/V heads)"
     return f"MLP width {region.row.in_features}"
+
+
+_HEAD_REPEATS = (aten.reshape, aten.view, aten._unsafe_view, aten.expand, aten.unsqueeze, aten.repeat_interleave,
+                 aten.clone, aten.slice)
+"""Ops by which model code (HF's ``repeat_kv``: unsqueeze, expand, reshape) or our
+``repeat_grouped_kv`` repeats grouped K/V heads up to the query's count before attention."""
+
+
+def _kv_heads(k: fx.Node) -> int:
+    """The K/V heads the model has, not the repeated count attention reads: the fewest heads of
+    the 4-D tensors ``k`` is made from through head repeats (a message that said "4 K/V heads"
+    for a model with 2 would send the user to the wrong fix)."""
+    heads, node = shape_of(k)[-3], k
+    while isinstance(node, fx.Node) and packet(node) in _HEAD_REPEATS and node.args:
+        node = node.args[0]
+        shape = shape_of(node) if isinstance(node, fx.Node) else None
+        if shape is not None and len(shape) == 4:
+            heads = min(heads, shape[-3])
+    return heads
 
 
 def _query_length(graph: fx.Graph) -> int | None:
