@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, get_args
 
+from sptransform.options import ZeroStage as RunnableZeroStage
 from sptransform.planner.activations import PLANNED_POLICIES, Recompute, check_tensor_parallel_fits
 from sptransform.planner.cluster import Cluster
 from sptransform.planner.params import divisors
@@ -12,6 +13,10 @@ from sptransform.planner.workload import Workload
 from sptransform.planner.presets import ModelShape
 
 ZeroStage = Literal[0, 1, 2, 3]
+
+RUNNABLE_ZERO_STAGES: tuple[int, ...] = get_args(RunnableZeroStage)
+"""The stages ``parallelize`` runs (0 and 3); the planner's memory model covers 1 and 2 as well
+(the seed tutorial's ZeRO arithmetic), but searches them only when asked."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +43,18 @@ class Layout:
 
     def num_microbatches(self, workload: Workload) -> int:
         return workload.global_batch // (self.dp * self.micro_batch)
+
+    def parallelize_options(self) -> dict[str, Any]:
+        """The ``sptransform.parallelize`` keywords of this layout (the micro-batch is the
+        training loop's, not an option). Raises ``ValueError`` for a layout it cannot run."""
+        if self.zero_stage not in RUNNABLE_ZERO_STAGES:
+            raise ValueError(f"zero_stage={self.zero_stage}: parallelize runs ZeRO stages {RUNNABLE_ZERO_STAGES}; "
+                             "stages 1 and 2 are in the planner's memory model only")
+        options: dict[str, Any] = dict(tp=self.tp, sp=self.sequence_parallel and self.tp > 1, pp=self.pp, dp=self.dp,
+                                       zero=self.zero_stage, recompute=self.recompute)
+        if self.interleave > 1:
+            options["stages_per_rank"] = self.interleave
+        return options
 
     def label(self) -> str:
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]

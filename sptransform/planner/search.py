@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from sptransform.planner.activations import PLANNED_POLICIES, Recompute
 from sptransform.planner.cluster import Cluster
 from sptransform.planner.flops import Utilization
-from sptransform.planner.layout import Layout, ZeroStage, layout_problem
+from sptransform.planner.layout import RUNNABLE_ZERO_STAGES, Layout, ZeroStage, layout_problem
 from sptransform.planner.memory import MemoryBudget, rank_memory
 from sptransform.planner.params import divisors
 from sptransform.planner.throughput import CommunicationTime, estimate_utilization
@@ -34,7 +34,8 @@ class SearchSpace:
 
     tp: tuple[int, ...] | None = None
     pp: tuple[int, ...] | None = None
-    zero_stages: tuple[ZeroStage, ...] = (0, 1, 2, 3)
+    zero_stages: tuple[ZeroStage, ...] = RUNNABLE_ZERO_STAGES
+    """Stages 1 and 2 only when asked: ``parallelize`` runs 0 and 3."""
     recompute: tuple[Recompute, ...] = PLANNED_POLICIES
     micro_batches: tuple[int, ...] = (1, 2, 4, 8)
     sequence_parallel: tuple[bool, ...] = (True, False)
