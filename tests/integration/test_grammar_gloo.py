@@ -23,7 +23,7 @@ from simulate import spawn_with_deadline
 
 pytestmark = pytest.mark.slow
 
-SEED, COUNT = 25, int(os.environ.get("GRAMMAR_REAL_EXAMPLES", "24"))
+SEED, COUNT = 25, int(os.environ.get("GRAMMAR_REAL_EXAMPLES", "12"))
 LAYOUTS = [Layout(tp=2, sp=True), Layout(tp=2, sp=False), Layout(tp=1, pp=2), Layout(tp=1, dp=2),
            Layout(tp=2, sp=True, recompute="selective"), Layout(tp=2, sp=False, recompute=0.5)]
 # inductor compiles C++ per graph: one example cost 200 s of wall time on a loaded 2-core machine, so
