@@ -6,12 +6,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import inspect
+import time
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from sptransform.capture import FakeTemplate
+from sptransform.logs import logger
 from sptransform.options import DEFAULT_GRAPH_CACHE_SIZE, ParallelOptions, PipelineOptions
 from sptransform.pipeline.module import PipelinedModule
 from sptransform.pipeline.schedule import check_pipeline_options
@@ -20,11 +22,13 @@ from sptransform.runtime.mesh import resolve_mesh, resolve_pipeline_mesh, resolv
 from sptransform.runtime.module import ONE_STAGE_SCHEDULES, ParallelModule, SteppedModule
 from sptransform.pipeline.plan import first_microbatch
 from sptransform.runtime.checks import check_call
-from sptransform.runtime.params import call_defaults, device_of
+from sptransform.runtime.params import call_defaults, device_of, held_share
 from sptransform.runtime.rendezvous import rendezvous, rendezvous_groups
 from sptransform.runtime.rng import RankGenerators
 from sptransform.torch_internals import local_tensor_mode, maybe_disable_local_tensor_mode, pytree
 from sptransform.transform import GraphFactory
+
+log = logger(__name__)
 
 
 def parallelize(
@@ -129,17 +133,24 @@ def parallelize(
         "example input shapes": [(tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else repr(x)
                                  for x in pytree.tree_leaves((args, kwargs))],
     }, device)
+    start = time.perf_counter()
+    whole_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights once
     meshes = _meshes(options, pipeline, mesh, device)
     factory = _factory(model, options, meshes.tp, device, meshes.dp_group)
     common = dict(factory=factory, options=options, param_mesh=meshes.param)
     if meshes.pipeline is not None:
-        return PipelinedModule(model, pipeline=pipeline, mesh=meshes.pipeline, example_args=args, example_kwargs=kwargs,
-                               full_mesh=meshes.full, **common)
-    if pipeline is not None:  # pp=1 with n_microbatches: a whole step per call, microbatch by microbatch
+        module = PipelinedModule(model, pipeline=pipeline, mesh=meshes.pipeline, example_args=args,
+                                 example_kwargs=kwargs, full_mesh=meshes.full, **common)
+    elif pipeline is not None:  # pp=1 with n_microbatches: a whole step per call, microbatch by microbatch
         mb_args, mb_kwargs, _ = first_microbatch(args, {**call_defaults(model), **kwargs}, pipeline.n_microbatches)
-        return SteppedModule(model, mesh=meshes.tp, example_args=mb_args, example_kwargs=mb_kwargs,
-                             n_microbatches=pipeline.n_microbatches, schedule=pipeline.schedule, **common)
-    return ParallelModule(model, mesh=meshes.tp, example_args=args, example_kwargs=kwargs, **common)
+        module = SteppedModule(model, mesh=meshes.tp, example_args=mb_args, example_kwargs=mb_kwargs,
+                               n_microbatches=pipeline.n_microbatches, schedule=pipeline.schedule, **common)
+    else:
+        module = ParallelModule(model, mesh=meshes.tp, example_args=args, example_kwargs=kwargs, **common)
+    log.info("parallelize(%s): tp=%d pp=%d dp=%d zero=%d sp=%s recompute=%r; this rank holds %.3f of the parameter "
+             "bytes; ready in %.1f s", type(model).__name__, tp, pp, dp, zero, sp, recompute, held_share(module, whole_bytes),
+             time.perf_counter() - start)
+    return module
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ given and does not partition again.
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import torch
 import torch.fx as fx
@@ -26,8 +25,9 @@ from sptransform.options import GRAPH_COMPILERS, RematOptions, check_graph_compi
 from sptransform.passes.remat import remat_partition
 from sptransform.torch_internals import dynamo_static_input
 from sptransform.transform import aot_compile, state_count
+from sptransform.logs import logger
 
-log = logging.getLogger(__name__)
+log = logger(__name__)
 
 _OPTION_NAMES = tuple(f.name for f in dataclasses.fields(RematOptions)) + ("compile", "overlap")
 DEFAULT_COMPILE = "inductor"

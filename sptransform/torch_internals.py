@@ -410,6 +410,16 @@ def deepcopy_dispatch_table() -> dict:
     return copy._deepcopy_dispatch
 
 
+def dtensor_op_handlers() -> dict:
+    """DTensor's table of ops handed to a Python handler instead of its sharding rules
+    (``DTensor._op_dispatcher._custom_op_handlers``): torch's ``loss_parallel`` puts its loss ops
+    there for the length of its context and pops them after. ``runtime.loss_hint`` adds one for
+    the NLL-loss ops while no other is there, only to replace DTensor's "got mixed torch.Tensor
+    and DTensor" error on a parallel module's logits by one that names the fixes. Public
+    replacement: none."""
+    return _DTensor._op_dispatcher._custom_op_handlers
+
+
 def non_persistent_buffer_names(module) -> set:
     """Names of ``module``'s own buffers registered with ``persistent=False``
     (``nn.Module._non_persistent_buffers_set``): the parallel module registers each buffer as
@@ -433,7 +443,7 @@ __all__ = [
     "maybe_disable_local_tensor_mode", "min_cut_rematerialization_partition", "partitioners", "pytree",
     "queue_backward_callback", "quiet_fake_tensor_meta_failures", "resolve_process_group", "run_and_save_rng_state",
     "run_with_rng_state", "stage_forward_cache", "stride_reporting", "tensor_map", "tracing_limit_errors",
-    "autograd_function_class", "deepcopy_dispatch_table", "non_persistent_buffer_names", "extract_fwd_bwd_modules", "op_qualified_name", "op_schema",
+    "autograd_function_class", "deepcopy_dispatch_table", "dtensor_op_handlers", "non_persistent_buffer_names", "extract_fwd_bwd_modules", "op_qualified_name", "op_schema",
     "propagate_through_decomposition", "wrap_with_op_strategy",
 ]
 

@@ -37,7 +37,7 @@ counts by op overload that it changed.
 from __future__ import annotations
 
 import copy
-import logging
+import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
@@ -46,6 +46,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from sptransform.capture import CapturedGraph, FakeTemplate, capture
+from sptransform.logs import logger
 from sptransform.graph.analysis import ModelAnalysis, analyze, constant_nodes, parameter_placements
 from sptransform.graph.gradients import GradientPlan, gradient_plan
 from sptransform.graph.plan import ParallelGraph, ParallelPlan, ParamPlacement
@@ -62,13 +63,14 @@ from sptransform.pipeline.plan import PipelinePlan
 from sptransform.pipeline.plan import plan_pipeline as _plan_pipeline
 from sptransform.pipeline.plan import resplit_pipeline
 from sptransform.runtime.collectives import _resolve
+from sptransform.runtime.explain import collective_counts
 from sptransform.runtime.rng import RankGenerators
 from sptransform.torch_internals import (
     aot_module_simplified, inductor_graph_compilers, local_tensor_mode, make_boxed_func, maybe_disable_local_tensor_mode, pytree,
     stride_reporting,
 )
 
-log = logging.getLogger(__name__)
+log = logger(__name__)
 
 
 @dataclass
@@ -265,14 +267,31 @@ def build_parallel_graph(
     (``options.dp > 1``); ``device_type``: where the graph runs (whether its gradient buckets
     stay in flight, ``ParallelOptions.overlaps_buckets``). At tp=1 the captured graph runs as
     is, data parallelism aside: no analysis, no plan."""
+    start = time.perf_counter()
     with maybe_disable_local_tensor_mode():  # tracing sees one rank, never simulated ones
         captured = capture(template, args, kwargs)
-    log.debug("capture: %d nodes", len(captured.gm.graph.nodes))
+    captured_s = time.perf_counter() - start
+    log.info("captured %s: %d graph nodes, %d parameters and buffers, in %.1f s", type(template.module).__name__,
+             len(captured.gm.graph.nodes), len(captured.state_names), captured_s)
     build = Build(captured, options, group, dp_group, generators, overlap=options.overlaps_buckets(device_type))
     captured.gm = run_passes(PASSES, captured.gm, build)
     graph = ParallelGraph(captured, build.analysis, build.plan)
     graph.data_parallel = build.data_parallel
+    log.info("transformed for tp=%d sp=%s dp=%d: %s; collectives per step: %s; in %.1f s", options.tp, options.sp,
+             options.dp, _linears_split(build.plan), _collectives(captured.gm) or "none",
+             time.perf_counter() - start - captured_s)
     return graph
+
+
+def _linears_split(plan: ParallelPlan | None) -> str:
+    if plan is None:
+        return "the captured graph runs unchanged"
+    split, total = plan.linears
+    return f"{split} of {total} linears split"
+
+
+def _collectives(gm: fx.GraphModule) -> str:
+    return ", ".join(f"{count} {kind}" for kind, count in sorted(collective_counts(gm).items()))
 
 
 def plan_pipeline(graph: ParallelGraph, template: FakeTemplate, args: tuple, kwargs: dict,
@@ -447,5 +466,9 @@ class GraphFactory:
         remat = self.options.remat
         if remat is None:
             raise ValueError("compile() partitions by a recompute policy, and recompute='none'")
-        return compile_with_remat(gm, inputs, remat, state_positions, compile=self.options.compile,
-                                  overlap=self.options.overlap is not False)
+        start = time.perf_counter()
+        runner = compile_with_remat(gm, inputs, remat, state_positions, compile=self.options.compile,
+                                    overlap=self.options.overlap is not False)
+        log.info("partitioned (recompute=%r) and compiled (%s) in %.1f s", self.options.recompute,
+                 self.options.compile, time.perf_counter() - start)
+        return runner

@@ -29,7 +29,9 @@ from typing import Any, Callable, Sequence
 
 import torch.fx as fx
 
-log = logging.getLogger("sptransform.passes")
+from sptransform.logs import logger
+
+log = logger("sptransform.passes")
 
 
 @dataclass(frozen=True)

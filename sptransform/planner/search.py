@@ -15,6 +15,7 @@ from sptransform.planner.params import divisors
 from sptransform.planner.throughput import CommunicationTime, estimate_utilization
 from sptransform.planner.workload import Workload
 from sptransform.planner.presets import ModelShape
+from sptransform.logs import progress
 
 DEFAULT_ACHIEVED_FRACTION = 0.55
 """Share of peak FLOP/s a GPU sustains on the hardware FLOPs while the pipeline is
@@ -158,7 +159,7 @@ def plan(
         )
     candidates, first_problem, skipped = [], None, 0
     limit = cluster.gpu.memory_bytes - reserve_bytes
-    for tp, pp, count, layouts in groups:
+    for tp, pp, count, layouts in progress(groups, desc="planner: (tp, pp) groups"):
         if _hopeless(shape, cluster, tp, pp):  # the same outcome as checking each, without the time
             skipped += count
             if first_problem is None and count:

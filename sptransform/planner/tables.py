@@ -53,7 +53,26 @@ def _print_plain(table: TextTable, *, file) -> None:
 def plot_stacked_bars(
     bars: list[tuple[str, dict[str, float]]], *, limit: float, limit_label: str, unit: str, title: str, path: str,
 ) -> None:
-    """One stacked bar per entry (bucket -> value, in ``unit``) and a horizontal memory line."""
+    """One stacked bar per entry (bucket -> value, in ``unit``) and a line at the memory limit,
+    written to ``path``."""
+    figure = stacked_bars_figure(bars, limit=limit, limit_label=limit_label, unit=unit, title=title)
+    import matplotlib.pyplot as plt
+
+    try:
+        figure.savefig(path, dpi=150, bbox_inches="tight")  # keep the legend below the axes
+    except OSError as error:
+        raise ValueError(f"cannot write --plot {path!r} ({error.strerror}); give a path in an existing, "
+                         "writable folder") from error
+    finally:
+        plt.close(figure)
+
+
+def stacked_bars_figure(bars: list[tuple[str, dict[str, float]]], *, limit: float, limit_label: str, unit: str,
+                        title: str):
+    """The figure of ``plot_stacked_bars``. Bars run horizontally, one row per layout, with the
+    layout's label on its row: labels as long as "tp=8 pp=4 dp=2 zero=1 recompute=selective mb=2"
+    stay on one line each and cannot overlap however many layouts are shown (the figure grows
+    with them), where slanted labels under vertical bars ran into each other."""
     try:
         import matplotlib
     except ImportError as error:
@@ -62,23 +81,21 @@ def plot_stacked_bars(
     import matplotlib.pyplot as plt
 
     buckets = list(dict.fromkeys(name for _, values in bars for name in values))
-    figure, axes = plt.subplots(figsize=(max(7.0, 1.1 * len(bars) + 3), 5))
-    bottoms = [0.0] * len(bars)
-    positions = range(len(bars))
-    for bucket in buckets:
-        heights = [values.get(bucket, 0.0) for _, values in bars]
-        axes.bar(positions, heights, bottom=bottoms, label=bucket.replace("_", " + "))
-        bottoms = [b + h for b, h in zip(bottoms, heights)]
-    axes.axhline(limit, color="red", linestyle="--", label=limit_label)
-    axes.set_xticks(list(positions), [label for label, _ in bars], rotation=30, ha="right", fontsize=8)
-    axes.set_ylabel(unit)
-    axes.set_title(title)
-    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    figure.tight_layout()
-    try:
-        figure.savefig(path, dpi=120, bbox_inches="tight")  # keep the outside legend
-    except OSError as error:
-        raise ValueError(f"cannot write --plot {path!r} ({error.strerror}); give a path in an existing, "
-                         "writable folder") from error
-    finally:
-        plt.close(figure)
+    rows = list(range(len(bars)))[::-1]  # the first (best) layout on top
+    figure, axes = plt.subplots(figsize=(10.0, 2.2 + 0.42 * len(bars)), layout="constrained")
+    lefts = [0.0] * len(bars)
+    colors = plt.get_cmap("tab10").colors
+    for index, bucket in enumerate(buckets):
+        widths = [values.get(bucket, 0.0) for _, values in bars]
+        axes.barh(rows, widths, left=lefts, height=0.7, color=colors[index % len(colors)],
+                  label=bucket.replace("_", " + "))
+        lefts = [left + width for left, width in zip(lefts, widths)]
+    axes.axvline(limit, color="black", linestyle="--", linewidth=1.2, label=limit_label)
+    axes.set_yticks(rows, [label for label, _ in bars], fontsize=9)
+    axes.set_xlabel(unit)
+    axes.set_xlim(0, max([limit, *lefts]) * 1.05)
+    axes.set_title(title, fontsize=11)
+    axes.grid(axis="x", alpha=0.3)
+    axes.set_axisbelow(True)
+    figure.legend(loc="outside lower center", ncol=min(4, len(buckets) + 1), fontsize=8, frameon=False)
+    return figure

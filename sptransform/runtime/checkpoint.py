@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 import warnings
 import weakref
 from collections import OrderedDict
@@ -58,7 +59,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from sptransform.logs import logger
 from sptransform.torch_internals import StridedShard, dtensor_as, plain_dtensor
+
+log = logger(__name__)
 
 
 # -- the boxes a rank's local tensor holds ---------------------------------------------------
@@ -382,7 +386,9 @@ def load_hf_weights(module: nn.Module, path: str | os.PathLike, *,
         )
     to_load = {key: value for key, (_, value) in wanted.items()}
     distributed = dist.is_available() and dist.is_initialized()
+    start = time.perf_counter()
     dcp.load(to_load, storage_reader=reader, no_dist=not distributed)
+    log.info("load_hf_weights: %d tensors from %s in %.1f s", len(to_load), path, time.perf_counter() - start)
     # DCP wrote into the tensors' storage; load_state_dict keeps the module's own bookkeeping honest
     # (and copies anything DCP had to replace rather than fill).
     module.load_state_dict({wanted[key][0]: value for key, value in to_load.items()}, strict=False)

@@ -53,6 +53,7 @@ from sptransform.runtime.explain import explain
 from sptransform.runtime.ops import take_local
 from sptransform.runtime.params import contiguous_stride, get_by_path, held_share
 from sptransform.runtime.rng import RankGenerators
+from sptransform.runtime.loss_hint import install_loss_hint
 from sptransform.runtime.zero import regather_saved
 from sptransform.torch_internals import local_tensor_mode, pytree
 
@@ -324,7 +325,8 @@ class ParallelModule(ModuleCore):
         the local logits, and ``DTensor.from_local``'s own backward takes either kind."""
         self._last = graph
         outputs = list(outputs)
-        if graph.plan is not None:
+        if graph.plan is not None and graph.plan.output_specs:
+            install_loss_hint()  # a loss on these without loss_parallel() names its fixes
             for index, (spec, size) in graph.plan.output_specs.items():
                 outputs[index] = self._as_dtensor(outputs[index], spec, size)
         return pytree.tree_unflatten(outputs, graph.captured.out_spec)

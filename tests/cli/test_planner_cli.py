@@ -149,3 +149,40 @@ def test_tables_print_as_plain_text_without_rich(monkeypatch, capsys):
 def test_plot_into_a_missing_folder_says_so(capsys, tmp_path):
     code, _, err = run(["plan", "--scenario", "deepseek-v3-chapter", "--plot", str(tmp_path / "no" / "x.png")], capsys)
     assert code == 2 and "existing, writable folder" in err
+
+
+@pytest.mark.parametrize("top", [5, 20])
+def test_plot_labels_do_not_overlap(top, monkeypatch, capsys):
+    """``plan --plot``'s figure: every layout's label, the title, the axis label and the legend
+    entries are drawn inside the figure and no two text boxes intersect (issue 19 item 7: slanted
+    labels under vertical bars ran into each other)."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from sptransform.planner import report
+    from sptransform.planner.tables import stacked_bars_figure
+
+    seen = {}
+    monkeypatch.setattr(report, "plot_stacked_bars", lambda bars, **kw: seen.update(bars=bars, **kw))
+    assert cli.main([*GPT3_ON_64_A100, "--top", str(top), "--plot", "unused.png"]) == 0
+    bars = seen.pop("bars")
+    assert len(bars) == top
+    seen.pop("path")
+    figure = stacked_bars_figure(bars, **seen)
+    try:
+        figure.canvas.draw()
+        renderer = figure.canvas.get_renderer()
+        axes = figure.axes[0]
+        texts = [t for t in axes.get_yticklabels() if t.get_text()]
+        assert sorted(t.get_text() for t in texts) == sorted(label for label, _ in bars)
+        texts += [axes.title, axes.xaxis.label, *figure.legends[0].get_texts()]
+        boxes = [t.get_window_extent(renderer) for t in texts]
+        whole = figure.bbox
+        for text, box in zip(texts, boxes):
+            assert whole.x0 <= box.x0 and box.x1 <= whole.x1 and whole.y0 <= box.y0 and box.y1 <= whole.y1, \
+                f"{text.get_text()!r} is drawn outside the figure"
+        for i in range(len(boxes)):
+            for j in range(i + 1, len(boxes)):
+                assert not boxes[i].overlaps(boxes[j]), f"{texts[i].get_text()!r} overlaps {texts[j].get_text()!r}"
+    finally:
+        plt.close(figure)

@@ -42,6 +42,7 @@ def _worker(rank: int, world: int, port: int, cases: list[tuple[str, bool]], che
             _checkpoint_round_trip(world, checkpoint)
             _compiles_without_graph_breaks(world)
             _recompute_policies_match_single_device(world)
+            _own_loss_paths(world)
         dist.barrier()  # no rank tears its connections down while another still uses them
     finally:
         dist.destroy_process_group()
@@ -75,6 +76,17 @@ def _train_and_compare(kind: str, sp: bool, world: int) -> None:
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
+
+
+def _own_loss_paths(world: int) -> None:
+    """The user's own loss on the vocabulary-split logits (tests/own_loss.py), on real ranks."""
+    import sptransform
+    from own_loss import check_own_loss_paths
+
+    model = _model("llama")
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 257, (2, 32))
+    check_own_loss_paths(sptransform.parallelize(model, tp=world, example_inputs=(ids,)), ref, ids, rtol=1e-4)
 
 
 def _checkpoint_round_trip(world: int, path: str) -> None:
