@@ -16,7 +16,7 @@ Per rank 0 it reports:
 * the median step time (forward + backward + optimizer) after ``--warmup`` steps.
 
     python benchmarks/dp_zero.py [--dp 2 --tp 2 --layers 4 --hidden 256 --heads 8 --vocab 4096
-        --seq 128 --batch 2 --steps 6 --warmup 2] [--json out.json]
+        --seq 128 --batch 2 --steps 6 --warmup 2 --zero 0 1 2 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ def _planner_bytes(pm, tp: int, dp: int, zero: int) -> dict:
 class _Saved:
     """Saved-tensor hooks that count the distinct storages autograd keeps for backward, and those
     of them that are gathered parameters. ZeRO-3's own hooks are inner ones and hide its tensors
-    from these: ``regathered`` counts what its hook stored as a bucket instead."""
+    from these, so its hook class is replaced by ``regather_class``, which counts what it stores
+    as a bucket instead (``regathered``) and passes what it keeps to ``pack``."""
 
     def __init__(self):
         from sptransform.runtime import zero as zero_
@@ -88,7 +89,8 @@ class _Saved:
                 packed = super().pack(tensor)
                 if packed is not tensor:
                     counter.regathered[StorageWeakRef(tensor.untyped_storage())] = tensor.untyped_storage().nbytes()
-                return packed
+                    return packed
+                return counter.pack(tensor)  # kept: counted as the outer hooks count it
 
         self.regather_class, self._ref, self._gathered = Counting, StorageWeakRef, zero_._gathered
 
@@ -145,7 +147,7 @@ def _worker(rank: int, world: int, port: int, args, out: dict) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
     try:
         for kind in MODELS:
-            for zero in ZERO_STAGES:
+            for zero in args.zero:
                 result = _run_case(kind, zero, args)
                 if rank == 0:
                     out[f"{kind} zero={zero}"] = result
@@ -170,9 +172,9 @@ def _table(results: dict, args) -> str:
                      f"{k['regathered']:,} | {k['saved']:,} | {r['step_s']:.4f} | "
                      f"{r['first_loss']:.4f} -> {r['last_loss']:.4f} |")
     lines.append("")
-    for kind in MODELS:
+    for kind in MODELS if 0 in args.zero else ():
         z0 = results[f"{kind} zero=0"]
-        for zero in ZERO_STAGES[1:]:
+        for zero in [z for z in args.zero if z]:
             zn = results[f"{kind} zero={zero}"]
             ratios = {k: zn["measured"][k] / z0["measured"][k] for k in z0["measured"]}
             state = ((zn["measured"]["params"] + zn["measured"]["optimizer"])
@@ -188,6 +190,8 @@ def main(argv=None) -> int:
     for name, default in (("dp", 2), ("tp", 2), ("layers", 4), ("hidden", 256), ("heads", 8), ("vocab", 4096),
                           ("seq", 128), ("batch", 2), ("steps", 6), ("warmup", 2)):
         parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--zero", type=int, nargs="+", choices=ZERO_STAGES, default=ZERO_STAGES,
+                        help="ZeRO stages to run (default all; the ratios need 0)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     if args.steps <= args.warmup:
@@ -198,7 +202,7 @@ def main(argv=None) -> int:
     out = mp.Manager().dict()
     world = args.dp * args.tp
     mp.spawn(_worker, args=(world, port, args, out), nprocs=world, join=True)
-    results = {key: out[key] for key in (f"{k} zero={z}" for k in MODELS for z in ZERO_STAGES)}
+    results = {key: out[key] for key in (f"{k} zero={z}" for k in MODELS for z in args.zero)}
     print(_table(results, args))
     if args.json:
         with open(args.json, "w") as f:
