@@ -24,7 +24,6 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
-
 import torch.distributed as dist
 
 from sptransform.runtime.collectives import _all_gather, _all_reduce, _reduce_scatter, _reduce_scatter_later
