@@ -97,9 +97,11 @@ def parallelize(
 
     Data parallelism (``dp``, ``zero``): ``dp`` groups of ``pp x tp`` ranks, each training on its
     own (local) batch; gradients are averaged over them during backward, one bucketed
-    all-reduce per layer (``zero=0``), or, with ``zero=3``, parameters, gradients and optimizer
-    state are split into 1/dp pieces, each layer's parameters gathered when it runs and again
-    for its backward, gradients reduce-scattered. Parameters are DTensors on the
+    all-reduce per layer (``zero=0``), or, with ``zero`` 1 to 3, parameters are stored in 1/dp
+    pieces (so are the optimizer's state and the gradients between steps), each layer's parameters
+    gathered when it runs; ``zero=1`` and ``2`` keep them for its backward, ``zero=3`` gathers them
+    again there; gradients all-reduced whole and this rank's piece kept (``zero=1``) or
+    reduce-scattered (``2``, ``3``). Parameters are DTensors on the
     ``("dp", "tp")`` mesh. The mesh is ``mesh=`` (axes named from ``"dp"``, ``"pp"``, ``"tp"``)
     or ``(dp, pp, tp)`` over the whole process group, row-major: consecutive ranks form a
     tensor-parallel group, as in Megatron and torchtitan.

@@ -30,7 +30,7 @@ DEFAULT_STAGES_PER_RANK: dict[str, int] = {"gpipe": 1, "1f1b": 1, "interleaved1f
 schedules that run several stages per rank."""
 
 DropoutRng = Literal["independent", "reference"]
-ZeroStage = Literal[0, 3]
+ZeroStage = Literal[0, 1, 2, 3]
 
 GraphCompiler = Literal["eager", "inductor"]
 """How sptransform compiles the forward and backward graphs it partitions itself (``recompute``,
@@ -128,9 +128,11 @@ class ParallelOptions:
     """Data-parallel degree: groups of ranks that each train on their own batch, gradients
     averaged over them."""
     zero: ZeroStage = 0
-    """0: parameters, gradients and optimizer state replicated over the data-parallel ranks;
-    3: all three split into 1/dp pieces, each layer's parameters gathered when it runs and
-    gathered again for its backward (ZeRO stage 3, as graph passes)."""
+    """0: parameters, gradients and optimizer state replicated over the data-parallel ranks.
+    1, 2 and 3: parameters stored in 1/dp pieces (so the optimizer's state is 1/dp), each layer's
+    parameters gathered when it runs; 1 and 2 keep the gathered parameters for backward
+    (gathered once per forward), 3 gathers them again for its backward. Gradients: all-reduced
+    whole and this rank's piece kept (1), or reduce-scattered to the pieces (2 and 3)."""
     compile: GraphCompiler = "inductor"
     """How the forward and backward graphs that ``recompute`` partitions (of the module, or of each
     pipeline stage) are compiled: ``"inductor"`` (default) generates fused kernels (C++/OpenMP on
@@ -156,15 +158,9 @@ class ParallelOptions:
         _check_int("tp", self.tp, minimum=1)
         _check_int("dp", self.dp, minimum=1)
         if isinstance(self.zero, bool) or not isinstance(self.zero, int):
-            raise TypeError(f"zero={self.zero!r} ({type(self.zero).__name__}): the ZeRO stage is an int, 0 or 3")
-        if self.zero not in (1, 2) and self.zero not in get_args(ZeroStage):
-            raise ValueError(f"zero={self.zero}: ZeRO stages are 0 to 3, and sptransform runs 0 and 3")
+            raise TypeError(f"zero={self.zero!r} ({type(self.zero).__name__}): the ZeRO stage is an int, 0 to 3")
         if self.zero not in get_args(ZeroStage):
-            raise ValueError(
-                f"zero={self.zero!r}: sptransform runs ZeRO stages 0 and 3. Stages 1 and 2 keep the parameters "
-                "whole but split the optimizer state (and gradients), which torch's optimizers cannot do for a "
-                "parameter stored whole; use zero=3 (which splits all three) or zero=0"
-            )
+            raise ValueError(f"zero={self.zero}: ZeRO stages are 0, 1, 2 and 3; use one of them (0: no sharding)")
         _check_bool("sp", self.sp)
         if self.dropout_rng not in get_args(DropoutRng):
             raise ValueError(f"dropout_rng={self.dropout_rng!r}: use 'independent' or 'reference'")

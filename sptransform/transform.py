@@ -211,7 +211,7 @@ def _dropout(gm: fx.GraphModule, build: Build) -> PassResult:
 
 
 def _add_data_parallel(gm: fx.GraphModule, build: Build) -> PassResult:
-    """Gradient averaging buckets, or ZeRO-3 gathers (``passes.data_parallel``), after the
+    """Gradient averaging buckets, or ZeRO gathers (``passes.data_parallel``), after the
     tensor-parallel rewrite when there is one (its placements give the local shapes)."""
     options, captured = build.options, build.captured
     placements = build.placements or {}
@@ -230,7 +230,7 @@ def _add_data_parallel(gm: fx.GraphModule, build: Build) -> PassResult:
             shape[storage.dim] = storage.local_size(options.tp)
         local_shapes[name] = tuple(shape)
         dims[name] = zero_dim(tuple(shape), storage.dim if storage is not None else None, options.dp) \
-            if options.zero == 3 else None
+            if options.zero >= 1 else None
     build.data_parallel = DataParallelPlan(group=build.dp_group, size=options.dp, zero=options.zero, dims=dims,
                                            local_shapes=local_shapes, overlap=build.overlap)
     return PassResult(data_parallel(gm, trainable, build.data_parallel, build.layer_rows()), True)

@@ -62,8 +62,8 @@ def register(subparsers) -> None:
                                       f"at most {SEARCH_LIMITS['layouts']:,} layouts are evaluated)")
     fixed.add_argument("--tp", type=gpus, nargs="+", help="tensor-parallel sizes (default: the divisors of --gpus-per-node)")
     fixed.add_argument("--pp", type=gpus, nargs="+", help="pipeline sizes (default: every one that divides)")
-    fixed.add_argument("--zero", type=int, nargs="+", choices=(0, 1, 2, 3), default=(0, 3),
-                       help="ZeRO stages (default 0 3: what parallelize runs; 1 and 2 are in the memory model only)")
+    fixed.add_argument("--zero", type=int, nargs="+", choices=(0, 1, 2, 3), default=(0, 1, 2, 3),
+                       help="ZeRO stages (default: all four, each of which parallelize runs)")
     fixed.add_argument("--recompute", nargs="+", choices=PLANNED_POLICIES, default=PLANNED_POLICIES)
     fixed.add_argument("--micro-batch", type=positive_int, nargs="+", default=(1, 2, 4, 8))
     fixed.add_argument("--sp", choices=("on", "off", "both"), default="both", help="sequence parallelism")

@@ -1,17 +1,22 @@
 """Data parallelism on the graph: every parameter's gradient averaged over the data-parallel
-ranks, and with ZeRO-3 each parameter gathered from its 1/dp pieces where its layer uses it.
+ranks, and with ZeRO (1 to 3) each parameter gathered from its 1/dp pieces where its layer uses it.
 
-    zero=0:  before:  w = placeholder; y = linear(x, w)
-             after:   w = placeholder; wd = average_grads(dp, n, w, ...)[0]; y = linear(x, wd)
-    zero=3:  before:  w = placeholder; y = linear(x, w)
-             after:   w = placeholder                       # this rank's piece: 1/n along dim d
-                      wf = gather_params(dp, n, [d, ...], [shape, ...], w, ...)[0]; y = linear(x, wf)
+    zero=0:    before:  w = placeholder; y = linear(x, w)
+               after:   w = placeholder; wd = average_grads(dp, n, w, ...)[0]; y = linear(x, wd)
+    zero=1..3: before:  w = placeholder; y = linear(x, w)
+               after:   w = placeholder                       # this rank's piece: 1/n along dim d
+                        wf = gather_params(dp, n, [d, ...], [shape, ...], w, ...)[0]; y = linear(x, wf)
+
+The graph is the same for stages 1 to 3; they differ in the gradient's collective
+(``gather_params(..., whole_gradient=True)`` for ZeRO-1: all-reduced whole, this rank's piece
+kept; reduce-scattered for 2 and 3) and at run time, where ZeRO-3's saved-tensor hooks gather
+a parameter again for backward instead of keeping it (``runtime.zero``).
 
 Parameters are bucketed by layer, as the tensor-parallel gradient buckets are (the layer of
 the first row-parallel linear after a parameter's first use; the last bucket holds what comes
 after the last one), or, without layers (``tp=1``), in first-use order into buckets of about
-``BUCKET_BYTES``; each bucket is inserted just before its first reader: ZeRO-3 gathers a
-layer's parameters when that layer starts. With ZeRO-3 a parameter with no dim to split
+``BUCKET_BYTES``; each bucket is inserted just before its first reader: ZeRO gathers a
+layer's parameters when that layer starts. With ZeRO a parameter with no dim to split
 evenly over the data-parallel ranks (``DataParallelPlan.dims[name] is None``) stays whole and
 has its gradient averaged instead.
 
@@ -38,9 +43,10 @@ class DataParallelPlan:
     """The data-parallel process group's name."""
     size: int
     zero: int
-    """0: parameters replicated over the data-parallel ranks; 3: split into 1/size pieces."""
+    """0: parameters replicated over the data-parallel ranks; 1 to 3: split into 1/size pieces
+    (1: the gradient all-reduced whole, this rank's piece kept; 2 and 3: reduce-scattered)."""
     dims: dict[str, int | None] = field(default_factory=dict)
-    """ZeRO-3: parameter FQN -> the dim its pieces split (None: kept whole)."""
+    """ZeRO 1 to 3: parameter FQN -> the dim its pieces split (None: kept whole)."""
     local_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """Parameter FQN -> its tensor-parallel-local shape (what a gathered bucket rebuilds)."""
     overlap: bool = True
@@ -62,7 +68,7 @@ def data_parallel(gm: fx.GraphModule, params: dict[fx.Node, str], plan: DataPara
     groups = dict(zip(ordered, _by_layer(ordered, rows, position) if rows else _by_size(ordered, bucket_bytes)))
     buckets: dict[tuple[int, bool], list[fx.Node]] = defaultdict(list)
     for param in sorted(used, key=position.__getitem__):  # a bucket's members in parameter order
-        gathered = plan.zero == 3 and plan.dims.get(used[param]) is not None
+        gathered = plan.zero >= 1 and plan.dims.get(used[param]) is not None
         buckets[(groups[param], gathered)].append(param)
     for (layer, gathered), members in sorted(buckets.items()):
         first_user = min((u for p in members for u in p.users), key=position.__getitem__)
@@ -72,7 +78,7 @@ def data_parallel(gm: fx.GraphModule, params: dict[fx.Node, str], plan: DataPara
                 names = [used[p] for p in members]
                 insert_bucket(gm, gather_params, (plan.group, plan.size, [plan.dims[n] for n in names],
                                                   [list(plan.local_shapes[n]) for n in names], *members),
-                              {"overlap": plan.overlap}, members, readers)
+                              {"overlap": plan.overlap, "whole_gradient": plan.zero == 1}, members, readers)
             else:
                 insert_bucket(gm, average_grads, (plan.group, plan.size, *members), {"overlap": plan.overlap},
                               members, readers)
@@ -111,7 +117,7 @@ def _by_size(ordered: list[fx.Node], cap: int) -> list[int]:
 
 
 def zero_dim(local_shape: tuple[int, ...], tp_dim: int | None, size: int) -> int | None:
-    """The dim a parameter's ZeRO-3 pieces split: the largest dim, other than the one tensor
+    """The dim a parameter's ZeRO pieces split: the largest dim, other than the one tensor
     parallelism splits, that ``size`` divides; None when there is none (the parameter is kept
     whole on every data-parallel rank)."""
     candidates = [d for d in range(len(local_shape)) if d != tp_dim and local_shape[d] % size == 0]

@@ -15,8 +15,9 @@ from sptransform.planner.presets import ModelShape
 ZeroStage = Literal[0, 1, 2, 3]
 
 RUNNABLE_ZERO_STAGES: tuple[int, ...] = get_args(RunnableZeroStage)
-"""The stages ``parallelize`` runs (0 and 3); the planner's memory model covers 1 and 2 as well
-(the seed tutorial's ZeRO arithmetic), but searches them only when asked."""
+"""The stages ``parallelize`` runs (0 to 3), which the planner searches. Its memory model is the
+seed tutorial's ZeRO arithmetic; between steps sptransform's ZeRO 1 and 2 hold less (parameter
+and gradient pieces too), during a step the gathered parameters (README, "Data parallelism")."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,7 +50,7 @@ class Layout:
         training loop's, not an option). Raises ``ValueError`` for a layout it cannot run."""
         if self.zero_stage not in RUNNABLE_ZERO_STAGES:
             raise ValueError(f"zero_stage={self.zero_stage}: parallelize runs ZeRO stages {RUNNABLE_ZERO_STAGES}; "
-                             "stages 1 and 2 are in the planner's memory model only")
+                             "use one of them")
         options: dict[str, Any] = dict(tp=self.tp, sp=self.sequence_parallel and self.tp > 1, pp=self.pp, dp=self.dp,
                                        zero=self.zero_stage, recompute=self.recompute)
         if self.interleave > 1:

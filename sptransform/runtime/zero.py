@@ -1,18 +1,22 @@
-"""ZeRO-3 on a rank: parameters held in 1/dp pieces, gathered where a layer uses them.
+"""ZeRO on a rank: parameters held in 1/dp pieces, gathered where a layer uses them.
 
 ``gather_params(group, size, dims, shapes, *pieces)`` all-gathers one bucket of parameter
 pieces over the data-parallel group in one collective and returns the tensor-parallel-local
 parameters; its backward reduce-scatters the bucket's gradients back to the pieces and
-averages them over the group.
+averages them over the group (ZeRO-2 and 3), or, with ``whole_gradient`` (ZeRO-1), all-reduces
+the bucket's whole gradient and keeps this rank's piece of it.
 
-A gathered parameter is read by the ops that use it, and autograd would keep it alive for
-their backward (a linear saves its weight), so ZeRO-3 would save nothing. ``regather_saved``
-is the saved-tensor hook that prevents it: a gathered parameter saved for backward (or a view of
-it) is stored as its bucket and position, and gathered again when the backward needs it (the last
-two buckets gathered again are kept, since a layer's backward reads its parameters one after
-another). The hook finds the bucket through the tensor's own autograd history (the gather's
-backward node holds it and its outputs' storages; a view reaches it through its view nodes), so
-nothing is registered outside the forward that gathered.
+ZeRO-1 and 2 stop there: a gathered parameter that a layer's backward reads (a linear saves its
+weight) is kept by autograd from the forward to that backward, as FSDP2's
+``reshard_after_forward=False`` keeps it, and freed when the backward has used it.
+
+ZeRO-3 keeps none: ``regather_saved`` is the saved-tensor hook that prevents it. A gathered
+parameter saved for backward (or a view of it) is stored as its bucket and position, and
+gathered again when the backward needs it (the last two buckets gathered again are kept, since
+a layer's backward reads its parameters one after another). The hook finds the bucket through
+the tensor's own autograd history (the gather's backward node holds it and its outputs'
+storages; a view reaches it through its view nodes), so nothing is registered outside the
+forward that gathered.
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
+import torch.distributed as dist
 
-from sptransform.runtime.collectives import _all_gather, _reduce_scatter, _reduce_scatter_later
-from sptransform.torch_internals import StorageWeakRef
+from sptransform.runtime.collectives import _all_gather, _all_reduce, _reduce_scatter, _reduce_scatter_later
+from sptransform.torch_internals import StorageWeakRef, local_tensor_mode, resolve_process_group
 
 class _Bucket:
     """What gathering a bucket again needs: this rank's pieces, how to rebuild, the group."""
@@ -51,8 +56,9 @@ def _rebuild(gathered: torch.Tensor, pieces, size: int, dims, shapes) -> list[to
 
 class _GatherParams(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, group, size, dims, shapes, overlap, *pieces):
+    def forward(ctx, group, size, dims, shapes, overlap, whole_gradient, *pieces):
         ctx.group, ctx.size, ctx.dims, ctx.shapes, ctx.overlap = group, size, dims, shapes, overlap
+        ctx.rank = _group_rank(group) if whole_gradient else None
         ctx.piece_shapes = [p.shape for p in pieces]
         ctx.dtypes = [p.dtype for p in pieces]
         ctx.bucket = _Bucket(pieces, group, size, dims, shapes)  # read by ``Regather.pack`` (``_gathered``)
@@ -72,20 +78,38 @@ class _GatherParams(torch.autograd.Function):
         # divided before the sum, so that with ``overlap`` the pieces are views of the collective's
         # own (unwaited) result; for a power-of-two group the two orders give the same bits
         flat = torch.cat(pieces, dim=1).reshape(-1) / ctx.size
-        local = (_reduce_scatter_later if ctx.overlap else _reduce_scatter)(flat, 0, ctx.group)
+        if ctx.rank is not None:
+            # ZeRO-1: the whole average, as zero=0 computes it, then this rank's row [rank k's
+            # pieces] copied out, so that the whole bucket is freed here (waited on at once)
+            local = _all_reduce(flat, ctx.group).view(ctx.size, -1)[ctx.rank].clone()
+        else:
+            local = (_reduce_scatter_later if ctx.overlap else _reduce_scatter)(flat, 0, ctx.group)
         out, offset = [], 0
         for piece_shape in ctx.piece_shapes:
             n = piece_shape.numel()
             out.append(local[offset: offset + n].view(piece_shape))
             offset += n
-        return (None, None, None, None, None, *out)
+        return (None, None, None, None, None, None, *out)
+
+
+def _group_rank(group: str) -> int:
+    """This rank's index in ``group`` (whose row of an all-reduced bucket ZeRO-1 keeps)."""
+    if local_tensor_mode() is not None:
+        raise ValueError(
+            "zero=1 keeps the row of the all-reduced gradient given by this rank's index in the "
+            "data-parallel group, which simulated ranks (LocalTensorMode) do not have; use zero=2 "
+            "(the same pieces, reduce-scattered) in simulation, or real processes for zero=1"
+        )
+    return dist.get_rank(resolve_process_group(group))
 
 
 def gather_params(group: str, size: int, dims: list[int], shapes: list[list[int]], *pieces: torch.Tensor,
-                  overlap: bool = False):
-    """ZeRO-3: the full (tensor-parallel-local) parameters of one bucket, from this rank's pieces;
-    their gradients reduce-scattered back (with ``overlap``, waited on when the backward ends)."""
-    return _GatherParams.apply(group, size, tuple(dims), tuple(tuple(s) for s in shapes), overlap, *pieces)
+                  overlap: bool = False, whole_gradient: bool = False):
+    """The full (tensor-parallel-local) parameters of one bucket, from this rank's pieces; their
+    gradients reduce-scattered back (with ``overlap``, waited on when the backward ends), or with
+    ``whole_gradient`` (ZeRO-1) all-reduced whole and this rank's piece kept."""
+    return _GatherParams.apply(group, size, tuple(dims), tuple(tuple(s) for s in shapes), overlap, whole_gradient,
+                               *pieces)
 
 
 _REGATHER = object()  # a constant marker: what ``Regather.pack`` stores for a gathered parameter
@@ -155,8 +179,9 @@ def regather_saved() -> Regather:
 
 
 def data_parallel_placement(plan, name: str):
-    """A parameter's placement on the data-parallel axis: its ZeRO-3 dim split, else whole."""
+    """A parameter's placement on the data-parallel axis: split along its ZeRO dim (stages 1 to
+    3: the optimizer then holds 1/dp of its state), else whole."""
     from torch.distributed.tensor import Replicate, Shard
 
-    dim = plan.dims.get(name) if plan is not None and plan.zero == 3 else None
+    dim = plan.dims.get(name) if plan is not None and plan.zero >= 1 else None
     return Shard(dim) if dim is not None else Replicate()

@@ -1,7 +1,8 @@
 """Data parallelism on real gloo processes: dp x tp (4 ranks) and dp x pp x tp (8 ranks), ZeRO 0
-and 3, with and without overlap, train like one device on the global batch (dp-averaged loss,
-``clip_grad_norm_``, every gradient, parameters after AdamW steps); ZeRO-3 holds 1/dp of the
-parameters, gradients and optimizer state, and keeps no gathered parameter for backward."""
+to 3, with and without overlap, train like one device on the global batch (dp-averaged loss,
+``clip_grad_norm_``, every gradient, parameters after AdamW steps); ZeRO 1 to 3 hold 1/dp of the
+parameters, gradients and optimizer state between steps; ZeRO-3 keeps no gathered parameter for
+backward, ZeRO 1 and 2 keep exactly those it gathers again."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def _train(kind: str, *, dp: int, tp: int, pp: int, zero: int, recompute: str = 
     """Train the parallel model on this rank's slice of a global batch and the original on all of
     it; assert they agree (also ``clip_grad_norm_``'s norm and the clipped gradients: torch's with
     ``pp=1``, ``PipelinedModule.clip_grad_norm_`` across the stages).
-    Returns per-rank state bytes and what ZeRO-3 did not keep."""
+    Returns per-rank state bytes, what ZeRO-3 did not keep and the gathered parameters autograd
+    kept for backward (``kept``, measured with ``pp=1``)."""
     import sptransform
     import sptransform.runtime.module as module_
     import sptransform.runtime.zero as zero_
@@ -64,6 +66,12 @@ def _train(kind: str, *, dp: int, tp: int, pp: int, zero: int, recompute: str = 
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-4)
     ref_params = dict(ref.named_parameters())
     not_kept: dict = {}
+    kept: dict = {}
+
+    def count_kept(tensor):  # outermost hooks: ZeRO-3's own (inner) hooks hide its tensors from these
+        if zero_._gathered(tensor) is not None:
+            kept[StorageWeakRef(tensor.untyped_storage())] = tensor.untyped_storage().nbytes()
+        return tensor
 
     class Counting(zero_.Regather):
         def pack(self, tensor):
@@ -79,7 +87,8 @@ def _train(kind: str, *, dp: int, tp: int, pp: int, zero: int, recompute: str = 
             if pp > 1:
                 loss = pm.step(input_ids=local[step], labels=local[step])
             else:
-                loss = pm(input_ids=local[step], labels=local[step]).loss
+                with torch.autograd.graph.saved_tensors_hooks(count_kept, lambda t: t):
+                    loss = pm(input_ids=local[step], labels=local[step]).loss
                 loss.backward()
             ref_loss = ref(input_ids=data[step], labels=data[step]).loss
             ref_loss.backward()
@@ -111,18 +120,18 @@ def _train(kind: str, *, dp: int, tp: int, pp: int, zero: int, recompute: str = 
         _checkpoint_round_trip(pm, kind, dp=dp, tp=tp, zero=zero, example=local[0], path=checkpoint)
     optimizer = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
     return dict(params=state_bytes[0], grads=state_bytes[1], optimizer=_local_bytes(optimizer),
-                not_kept=sum(not_kept.values()))
+                not_kept=sum(not_kept.values()), kept=sum(kept.values()))
 
 
 def _checkpoint_round_trip(pm, kind: str, *, dp: int, tp: int, zero: int, example, path: str) -> None:
-    """DCP: this layout's parameters saved, loaded into the other ZeRO stage on the same mesh
-    (pieces over dp <-> replicas), every parameter bit-equal after the load."""
+    """DCP: this layout's parameters saved, loaded into another ZeRO stage on the same mesh
+    (pieces over dp <-> replicas, or ZeRO-1 <-> 2), every parameter bit-equal after the load."""
     import torch.distributed.checkpoint as dcp
 
     import sptransform
 
     dcp.save(pm.state_dict(), checkpoint_id=path)
-    other = sptransform.parallelize(_model(kind), tp=tp, dp=dp, zero=3 - zero,
+    other = sptransform.parallelize(_model(kind), tp=tp, dp=dp, zero=3 - zero,  # 1 <-> 2: pieces <-> pieces
                                     example_inputs=dict(input_ids=example, labels=example))
     state = other.state_dict()
     dcp.load(state, checkpoint_id=path)
@@ -151,22 +160,31 @@ def _run(world: int, cases: list[dict]) -> dict:
     return dict(results)
 
 
-def test_dp_times_tp_trains_like_one_device_with_zero_0_and_3(tmp_path):
-    cases = [dict(kind=kind, dp=2, tp=2, pp=1, zero=zero) for kind in ("gpt2", "llama") for zero in (0, 3)]
-    cases[1]["checkpoint"] = str(tmp_path / "gpt2_zero3")  # fused QKV pieces over dp and tp -> zero 0
-    cases[2]["overlap"] = False  # buckets waited on inside the backward (the rest: in the optimizer step)
+def test_dp_times_tp_trains_like_one_device_with_zero_0_to_3(tmp_path):
+    cases = [dict(kind=kind, dp=2, tp=2, pp=1, zero=zero) for kind in ("gpt2", "llama") for zero in (0, 1, 2, 3)]
+    cases[3]["checkpoint"] = str(tmp_path / "gpt2_zero3")  # fused QKV pieces over dp and tp -> zero 0
+    cases[1]["checkpoint"] = str(tmp_path / "gpt2_zero1")  # ZeRO-1 -> ZeRO-2
+    cases[4]["overlap"] = False  # buckets waited on inside the backward (the rest: in the optimizer step)
+    cases[6]["overlap"] = False
     cases.append(dict(kind="gpt2", dp=2, tp=2, pp=1, zero=3, recompute="selective"))
     cases.append(dict(kind="llama", dp=2, tp=2, pp=1, zero=3, recompute="selective", compile="inductor"))
     results = _run(4, cases)
     for kind in ("gpt2", "llama"):
-        zero0, zero3 = (results[repr(case)] for case in cases if case["kind"] == kind and "recompute" not in case)
-        for what in ("params", "grads", "optimizer"):  # 1/dp, within 5% (a few small tensors stay whole)
-            assert zero3[what] == pytest.approx(zero0[what] / 2, rel=0.05), (kind, what)
-        assert zero0["not_kept"] == 0 and zero3["not_kept"] > 0  # gathered again in backward, not saved
+        plain = [case for case in cases if case["kind"] == kind and "recompute" not in case]
+        zero0, *sharded = (results[repr(case)] for case in plain)
+        for measured in sharded:
+            for what in ("params", "grads", "optimizer"):  # 1/dp, within 5% (a few small tensors stay whole)
+                assert measured[what] == pytest.approx(zero0[what] / 2, rel=0.05), (kind, what)
+        zero1, zero2, zero3 = sharded
+        assert zero0["not_kept"] == zero0["kept"] == 0
+        assert zero3["not_kept"] > 0 and zero3["kept"] == 0  # gathered again in backward, not saved
+        assert zero1["kept"] == zero2["kept"] == zero3["not_kept"]  # ZeRO 1 and 2 keep what ZeRO-3 regathers
+        assert zero1["not_kept"] == zero2["not_kept"] == 0
 
 
 def test_dp_times_pp_times_tp_on_eight_ranks():
-    cases = [dict(kind="gpt2", dp=2, tp=2, pp=2, zero=0), dict(kind="llama", dp=2, tp=2, pp=2, zero=3)]
+    cases = [dict(kind="gpt2", dp=2, tp=2, pp=2, zero=0), dict(kind="llama", dp=2, tp=2, pp=2, zero=3),
+             dict(kind="gpt2", dp=2, tp=2, pp=2, zero=1)]
     _run(8, cases)
 
 

@@ -1,9 +1,11 @@
 """ZeRO-3's saved-tensor hook (``runtime.zero.Regather``) on a real one-rank gloo group: a gathered
 parameter (or a view of it) saved for backward is not kept but gathered again, found through its
-own autograd history, so two forwards under their own hooks never see each other's buckets."""
+own autograd history, so two forwards under their own hooks never see each other's buckets.
+ZeRO-1's bucket: the whole gradient all-reduced, this rank's piece kept; refused in simulation."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from simulate import one_rank
@@ -57,3 +59,32 @@ def test_tensors_that_are_not_gathered_parameters_are_kept():
             y = (x.exp() * x).sum()
         y.backward()
         assert regather.regathered == 0 and regather.kept > 0
+
+
+def test_zero_1_keeps_this_ranks_piece_of_the_whole_gradient_and_the_gathered_parameter():
+    """ZeRO-1's bucket (``whole_gradient``): the gradient is all-reduced whole and this rank's row
+    kept (exact on one rank); without ``Regather`` the gathered parameter is what autograd saves."""
+    with one_rank() as group:
+        torch.manual_seed(0)
+        w, x = torch.randn(3, 4, requires_grad=True), torch.randn(2, 4, requires_grad=True)  # mm saves w for x
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(zero._gathered(t)) or t, lambda t: t):
+            (wf,) = zero.gather_params(group, 1, [0], [list(w.shape)], w, whole_gradient=True)
+            loss = torch.tanh(x @ wf.t()).sum()
+        assert any(found is not None for found in saved)  # kept for backward, not gathered again
+        loss.backward()
+        w_ref, x_ref = w.detach().requires_grad_(), x.detach().requires_grad_()
+        torch.tanh(x_ref @ w_ref.t()).sum().backward()
+        torch.testing.assert_close(w.grad, w_ref.grad, rtol=0, atol=0)
+        torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=0)
+
+
+def test_zero_1_refuses_simulated_ranks_by_name():
+    from simulate import simulated_ranks
+
+    with simulated_ranks(2):
+        import torch.distributed as dist
+
+        w = torch.randn(4, 2, requires_grad=True)
+        with pytest.raises(ValueError, match=r"zero=1 keeps the row .* use zero=2"):
+            zero.gather_params(dist.group.WORLD.group_name, 2, [0], [[8, 2]], w, whole_gradient=True)
