@@ -30,21 +30,22 @@ GENERATE_KWARGS = ("attention_mask", "max_new_tokens", "do_sample", "temperature
                    "eos_token_id", "pad_token_id", "generation_config")
 """The keywords ``generate`` takes besides the token ids."""
 
-HF_DEFAULTS = {"max_length": 20, "do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
+HF_DEFAULTS = (("max_length", 20), ("do_sample", False), ("temperature", 1.0), ("top_k", 50), ("top_p", 1.0))
 """HF's global defaults (``GenerationConfig._get_default_generation_params``) for what a model's
 ``generation_config`` leaves unset."""
 
-UNSUPPORTED_WHEN = {
-    "num_beams": 1, "num_return_sequences": 1, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
-    "min_length": 0, "min_new_tokens": None, "bad_words_ids": None, "suppress_tokens": None,
-    "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None, "min_p": None,
-    "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None, "sequence_bias": None,
-    "exponential_decay_length_penalty": None, "guidance_scale": None, "watermarking_config": None,
-    "stop_strings": None, "max_time": None, "penalty_alpha": None, "return_dict_in_generate": False,
-    "renormalize_logits": False, "assistant_model": None, "prompt_lookup_num_tokens": None,
-}
+UNSUPPORTED_WHEN = (
+    ("num_beams", 1), ("num_return_sequences", 1), ("repetition_penalty", 1.0), ("no_repeat_ngram_size", 0),
+    ("min_length", 0), ("min_new_tokens", None), ("bad_words_ids", None), ("suppress_tokens", None),
+    ("begin_suppress_tokens", None), ("forced_bos_token_id", None), ("forced_eos_token_id", None), ("min_p", None),
+    ("typical_p", 1.0), ("epsilon_cutoff", 0.0), ("eta_cutoff", 0.0), ("top_h", None), ("sequence_bias", None),
+    ("exponential_decay_length_penalty", None), ("guidance_scale", None), ("watermarking_config", None),
+    ("stop_strings", None), ("max_time", None), ("penalty_alpha", None), ("return_dict_in_generate", False),
+    ("renormalize_logits", False), ("assistant_model", None), ("prompt_lookup_num_tokens", None),
+)
 """HF generation settings this path does not implement, each with the value (or HF's unset
-value) that turns it off; any other value raises instead of being ignored."""
+value) that turns it off; any other value raises instead of being ignored. Pairs, not a dict:
+``runtime/`` keeps no module-level mutable state (tests/runtime/test_isolation.py)."""
 
 Agree = Callable[[torch.Tensor], torch.Tensor]
 """Makes every tensor-parallel rank hold rank 0's tokens (the identity on one device)."""
@@ -75,20 +76,21 @@ def resolve_options(source: nn.Module, kwargs: Mapping[str, Any], prompt_length:
         fields = given
     else:
         settings = config.to_dict()
-        for name, off in UNSUPPORTED_WHEN.items():
+        for name, off in UNSUPPORTED_WHEN:
             if settings.get(name) is not None and settings.get(name) != off:
                 raise ValueError(
                     f"generation_config.{name}={settings[name]!r} is not supported by sptransform's generate (greedy "
                     f"and sampled decoding only): set it to {off!r} (e.g. generation_config=GenerationConfig(...))"
                 )
-        fields = {k: settings[k] if settings.get(k) is not None else HF_DEFAULTS[k]
+        defaults = dict(HF_DEFAULTS)
+        fields = {k: settings[k] if settings.get(k) is not None else defaults[k]
                   for k in ("do_sample", "temperature", "top_k", "top_p")}
         for k in ("eos_token_id", "pad_token_id", "max_new_tokens"):
             if settings.get(k) is not None:
                 fields[k] = settings[k]
         fields.update(given)
         if "max_new_tokens" not in fields:  # HF: max_length counts the prompt
-            fields["max_new_tokens"] = (settings.get("max_length") or HF_DEFAULTS["max_length"]) - prompt_length
+            fields["max_new_tokens"] = (settings.get("max_length") or defaults["max_length"]) - prompt_length
     eos = fields.get("eos_token_id")
     fields["eos_token_id"] = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
     if fields.get("pad_token_id") is None and fields["eos_token_id"]:
