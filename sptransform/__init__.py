@@ -7,9 +7,10 @@
 from sptransform.api import parallelize
 from sptransform.copying import faithful_deepcopy
 from sptransform.equivalence import VerifyReport, verify
+from sptransform.generation import generate
 from sptransform.options import ParallelOptions
 from sptransform.runtime.checkpoint import checkpointable, load_hf_weights
 from sptransform.runtime.meta import materialize_meta_buffers, meta_parameters
 
-__all__ = ["parallelize", "ParallelOptions", "verify", "VerifyReport", "checkpointable", "load_hf_weights", "faithful_deepcopy",
+__all__ = ["parallelize", "generate", "ParallelOptions", "verify", "VerifyReport", "checkpointable", "load_hf_weights", "faithful_deepcopy",
            "materialize_meta_buffers", "meta_parameters"]

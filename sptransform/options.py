@@ -265,3 +265,39 @@ class RematOptions:
                 raise ValueError(f"budget={self.budget} bytes is negative")
         elif self.budget is not None:
             raise ValueError(f'budget={self.budget!r} only applies to policy="budget", not {self.policy!r}')
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateOptions:
+    """How ``pm.generate`` / ``sptransform.generate`` choose tokens: HF ``generate``'s meaning for
+    each field (``runtime.generate`` resolves them from the call, then the model's
+    ``generation_config``, then HF's defaults)."""
+
+    max_new_tokens: int
+    """Tokens appended to every row (fewer when every row has ended with ``eos_token_id``)."""
+    do_sample: bool = False
+    """``False``: greedy (argmax); ``True``: multinomial sampling from the default generator."""
+    temperature: float = 1.0
+    """Scores are divided by it before sampling (sampling only)."""
+    top_k: int | None = None
+    """Keep the ``top_k`` highest scores before sampling (None or 0: all)."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches ``top_p`` (1.0: all)."""
+    eos_token_id: tuple[int, ...] = ()
+    """A row that produced one of these has ended: it gets ``pad_token_id`` afterwards."""
+    pad_token_id: int | None = None
+    """What ended rows get (default: the first ``eos_token_id``)."""
+
+    def __post_init__(self) -> None:
+        _check_int("max_new_tokens", self.max_new_tokens, minimum=1, fix="the number of tokens to generate")
+        _check_bool("do_sample", self.do_sample)
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or not self.temperature > 0:
+            raise ValueError(f"temperature={self.temperature!r} must be a number > 0 (1.0 leaves the scores as they are)")
+        if self.top_k is not None:
+            _check_int("top_k", self.top_k, minimum=0, fix="the number of highest-scoring tokens kept, or None for all")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p!r} must be a number in (0, 1] (1.0 keeps every token)")
+        for token in self.eos_token_id:
+            _check_int("eos_token_id", token, minimum=0, fix="a token id, a list of them, or None")
+        if self.pad_token_id is not None:
+            _check_int("pad_token_id", self.pad_token_id, minimum=0, fix="a token id, or None")

@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from sptransform.capture import CapturedGraph, InputsRejected, input_signature
 from sptransform.graph.analysis import find_loss_output
@@ -50,6 +50,7 @@ from sptransform.runtime.checks import (
 )
 from sptransform.runtime.core import Agreement, ModuleCore, mirror_modules  # noqa: F401  (mirror_modules: re-exported)
 from sptransform.runtime.explain import explain
+from sptransform.runtime.generate import generate_tokens
 from sptransform.runtime.ops import take_local
 from sptransform.runtime.params import contiguous_stride, get_by_path, held_share
 from sptransform.runtime.rng import RankGenerators
@@ -354,6 +355,27 @@ class ParallelModule(ModuleCore):
             local, self._tp_mesh, [Shard(spec.dim)], run_check=False, shape=torch.Size(shape),
             stride=contiguous_stride(shape),
         )
+
+    # -- generation -----------------------------------------------------------
+
+    def generate(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+        """HF-style ``generate`` (greedy or sampled; ``runtime.generate``, no KV cache yet): the
+        prompt followed by the new tokens, equal on every rank (tensor-parallel rank 0's choice)."""
+        if self._options.dp > 1:
+            raise ValueError(
+                f"generate() runs on tensor-parallel ranks only, and this module has dp={self._options.dp}: "
+                "parallelize a copy with dp=1 to generate"
+            )
+        multiple = self._options.tp if self._options.sp else 1
+        return generate_tokens(self, input_ids, source=self._factory.template.module, multiple=multiple,
+                               agree=self._agree_tokens, **kwargs)
+
+    def _agree_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Tensor-parallel rank 0's tokens on every rank (a broadcast): ranks whose default
+        generators differ would otherwise feed the next step different tokens."""
+        if self._tp_mesh is None:
+            return tokens
+        return DTensor.from_local(tokens, self._tp_mesh, [Replicate()], run_check=True).to_local()
 
     # -- state and inspection -------------------------------------------------
 

@@ -1,0 +1,110 @@
+"""Generation (``runtime.generate``): the tokens of ``pm.generate`` / ``sptransform.generate`` are
+the single-device model's, HF's semantics (greedy, sampling, left padding) are HF ``generate``'s,
+and what the no-cache loop cannot do raises. Real ranks: tests/integration/test_generate_gloo.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import sptransform
+from simulate import per_rank, simulated_ranks
+from sptransform.runtime.generate import resolve_options
+from tiny_models import TinyConfig, TinyLM
+
+transformers = pytest.importorskip("transformers")
+
+CONFIG = TinyConfig(vocab=61, hidden=32, heads=4, kv_heads=2, layers=1, ffn=64, max_len=32, tied=False)
+
+
+class LogitsLM(TinyLM):
+    """TinyLM without a loss: forward(ids) -> logits [batch, length, vocab], as a plain LM returns them."""
+
+    def forward(self, ids):
+        x = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+class BidirectionalLM(LogitsLM):
+    """Every position reads the mean of all positions: not a causal LM."""
+
+    def forward(self, ids):
+        logits = super().forward(ids)
+        return logits + logits.mean(dim=1, keepdim=True)
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=61, n_positions=32)
+    return transformers.GPT2LMHeadModel(config).double().eval()
+
+
+def _prompt(batch=2, length=5):
+    torch.manual_seed(1)
+    return torch.randint(1, 61, (batch, length))
+
+
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(do_sample=st.booleans(), temperature=st.sampled_from([None, 0.7]), top_k=st.sampled_from([None, 0, 5]),
+       top_p=st.sampled_from([None, 0.8]), left_pad=st.booleans())
+def test_single_device_generate_equals_hf_generate_for_any_decoding(do_sample, temperature, top_k, top_p, left_pad):
+    model, ids = _gpt2(), _prompt()
+    kwargs = dict(max_new_tokens=4, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                  pad_token_id=0)
+    if left_pad:
+        mask = torch.ones_like(ids)
+        mask[1, :2] = 0
+        ids, kwargs["attention_mask"] = ids.masked_fill(mask == 0, 0), mask
+    torch.manual_seed(7)
+    expected = model.generate(ids, **kwargs)
+    torch.manual_seed(7)
+    assert torch.equal(sptransform.generate(model, ids, **kwargs), expected)
+
+
+def test_tp2_greedy_tokens_equal_single_device_on_simulated_ranks():
+    torch.manual_seed(0)
+    model = LogitsLM(CONFIG).double().eval()
+    ids = _prompt(length=3)
+    expected = sptransform.generate(model, ids, max_new_tokens=3)
+    assert expected.shape == (2, 6)
+    with simulated_ranks(2):
+        pm = sptransform.parallelize(model, tp=2, example_inputs=(torch.zeros(2, 6, dtype=torch.long),))
+        tokens = pm.generate(ids, max_new_tokens=3)
+        assert pm.cached_graphs == 1  # every step pads to one length: one signature, no recapture
+    for rank, value in enumerate(per_rank(tokens)):
+        assert torch.equal(value, expected), f"rank {rank}: {value.tolist()} != {expected.tolist()}"
+
+
+def test_generate_refuses_a_model_that_reads_later_positions():
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match="causal"):
+        sptransform.generate(BidirectionalLM(CONFIG).eval(), _prompt(), max_new_tokens=2)
+
+
+def test_generate_refuses_what_it_does_not_implement():
+    model, ids = LogitsLM(CONFIG).eval(), _prompt()
+    with pytest.raises(TypeError, match=r"unsupported keyword\(s\) \['num_beams'\]"):
+        sptransform.generate(model, ids, max_new_tokens=2, num_beams=2)
+    with pytest.raises(TypeError, match="needs max_new_tokens="):
+        sptransform.generate(model, ids)
+    with pytest.raises(ValueError, match="max_new_tokens=0 must be at least 1"):
+        sptransform.generate(model, ids, max_new_tokens=0)
+    with pytest.raises(ValueError, match="takes no attention_mask"):
+        sptransform.generate(model, ids, max_new_tokens=2, attention_mask=torch.ones_like(ids))
+    with pytest.raises(ValueError, match=r"integer tensor \[batch, length\]"):
+        sptransform.generate(model, ids[0], max_new_tokens=2)
+    gpt2 = _gpt2()
+    with pytest.raises(ValueError, match=r"generation_config.num_beams=3 is not supported"):
+        sptransform.generate(gpt2, ids, generation_config=transformers.GenerationConfig(num_beams=3))
+
+
+def test_options_follow_hf_generation_config_then_hf_defaults():
+    gpt2 = _gpt2()  # its generation_config sets eos (50256) and leaves sampling unset
+    options = resolve_options(gpt2, dict(do_sample=True), prompt_length=5)
+    assert (options.max_new_tokens, options.top_k, options.top_p, options.temperature) == (15, 50, 1.0, 1.0)
+    assert options.eos_token_id == (50256,) and options.pad_token_id == 50256
+    plain = resolve_options(LogitsLM(CONFIG), dict(max_new_tokens=3, eos_token_id=[4, 5]), prompt_length=5)
+    assert plain.top_k is None and plain.eos_token_id == (4, 5) and plain.pad_token_id == 4
