@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from sptransform.capture import FakeTemplate
-from sptransform.options import DEFAULT_GRAPH_CACHE_SIZE, ParallelOptions, PipelineOptions
+from sptransform.options import DEFAULT_GRAPH_CACHE_SIZE, DEFAULT_PEER_TIMEOUT_S, ParallelOptions, PipelineOptions
 from sptransform.pipeline.module import PipelinedModule
 from sptransform.pipeline.schedule import check_pipeline_options
 from sptransform.runtime.meta import materialize_meta_buffers
@@ -48,6 +48,8 @@ def parallelize(
     zero: int = 0,
     compile: Literal["inductor", "eager"] = "inductor",
     overlap: bool | None = None,
+    dp_loss: Literal["tokens", "replicas"] = "tokens",
+    peer_timeout_s: float | None = DEFAULT_PEER_TIMEOUT_S,
 ) -> "ParallelModule | PipelinedModule":
     """Turn an unmodified single-device ``model`` into one that trains across ``tp`` ranks
     with Megatron tensor parallelism (and sequence parallelism when ``sp``).
@@ -107,6 +109,13 @@ def parallelize(
     accelerators only (on CPU gloo reduces on the cores that compute: measured slower).
     ``False`` waits on each collective at once.
 
+    ``dp_loss`` (``dp > 1``): ``"tokens"`` weights each replica's gradient by its count of
+    non-ignored targets where the loss is a token mean found on the graph (single-device
+    gradients of the concatenated batch, whatever each replica's ``-100`` count or batch size);
+    ``"replicas"`` averages the replicas' gradients. ``peer_timeout_s`` (``dp > 1``): how long a
+    rank waits for its data-parallel peers before raising, naming the one missing (README,
+    "Faults and timeouts").
+
     Every argument is validated here; a bad one is a ``TypeError``/``ValueError`` naming the
     value, the rule and the fix.
     """
@@ -115,7 +124,8 @@ def parallelize(
     _refuse_parallel_input(model)
     options = ParallelOptions(tp=tp, sp=sp, dropout_rng=dropout_rng, seed=seed, recompute=recompute,
                               check_inputs=check_inputs, graph_cache_size=graph_cache_size, dp=dp, zero=zero,
-                              compile=compile, overlap=overlap)
+                              compile=compile, overlap=overlap,
+                              dp_loss=dp_loss, peer_timeout_s=peer_timeout_s)
     _check_mesh(mesh)
     pipeline = _pipeline_options(options, pp, schedule, n_microbatches, stages_per_rank, stored_microbatches)
     device = device_of(model)
