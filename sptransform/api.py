@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -23,7 +25,7 @@ from sptransform.runtime.checks import check_call
 from sptransform.runtime.params import call_defaults, device_of
 from sptransform.runtime.rendezvous import rendezvous, rendezvous_groups
 from sptransform.runtime.rng import RankGenerators
-from sptransform.torch_internals import local_tensor_mode, maybe_disable_local_tensor_mode, pytree
+from sptransform.torch_internals import local_tensor_mode, set_group_timeout, maybe_disable_local_tensor_mode, pytree
 from sptransform.transform import GraphFactory
 
 
@@ -180,6 +182,8 @@ def _meshes(options: ParallelOptions, pipeline: PipelineOptions | None, mesh, de
         raise ValueError("dp > 1 needs real ranks (torchrun, gloo or nccl): simulated ranks run tensor "
                          "parallelism only; use sptransform.verify(model, tp=...) for the tensor-parallel part")
     full = resolve_mesh(options.dp, pp, options.tp, mesh, device)
+    if mesh is None and options.peer_timeout_s is not None:  # a group of ours: replicas wait peer_timeout_s
+        set_group_timeout(full["dp"].get_group(), datetime.timedelta(seconds=options.peer_timeout_s))
     return _Meshes(full["tp"], full["pp", "tp"] if pp > 1 else None, full["dp", "tp"], full,
                    full["dp"].get_group().group_name)
 
