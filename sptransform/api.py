@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 
 from dataclasses import dataclass
@@ -142,7 +143,10 @@ def parallelize(
                                  for x in pytree.tree_leaves((args, kwargs))],
     }, device)
     meshes = _meshes(options, pipeline, mesh, device)
-    factory = _factory(model, options, meshes.tp, device, meshes.dp_group)
+    # Pipeline stages are cut from the graph around its loss output, which the token weighting
+    # replaces (passes.token_weighting): pipelines average the replicas' gradients (README).
+    graph_options = options if meshes.pipeline is None else dataclasses.replace(options, dp_loss="replicas")
+    factory = _factory(model, graph_options, meshes.tp, device, meshes.dp_group)
     common = dict(factory=factory, options=options, param_mesh=meshes.param)
     if meshes.pipeline is not None:
         return PipelinedModule(model, pipeline=pipeline, mesh=meshes.pipeline, example_args=args, example_kwargs=kwargs,

@@ -12,7 +12,8 @@ torch schedule), not in how they mirror the original. That part is here, once:
 * **state dicts**: entries DCP can save and load, whole tensors accepted on load
   (``runtime.checkpoint``); parameters built on meta are refused until loaded;
 * **inputs**: every call's checks run before any collective, and an error found on one rank is
-  raised on every rank (``runtime.checks``);
+  raised on every rank (``runtime.checks``); with data parallelism the replicas also meet, and
+  a grad-mode difference or a missing replica is raised on every one (``runtime.faults``);
 * **generators**: ``pm.rng``, the module's dropout generators and default generator state.
 """
 
