@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -14,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from sptransform.capture import FakeTemplate
 from sptransform.logs import logger
-from sptransform.options import DEFAULT_GRAPH_CACHE_SIZE, ParallelOptions, PipelineOptions
+from sptransform.options import DEFAULT_GRAPH_CACHE_SIZE, DEFAULT_PEER_TIMEOUT_S, ParallelOptions, PipelineOptions
 from sptransform.pipeline.module import PipelinedModule
 from sptransform.pipeline.schedule import check_pipeline_options
 from sptransform.runtime.meta import materialize_meta_buffers
@@ -25,7 +28,7 @@ from sptransform.runtime.checks import check_call
 from sptransform.runtime.params import call_defaults, device_of, held_share
 from sptransform.runtime.rendezvous import rendezvous, rendezvous_groups
 from sptransform.runtime.rng import RankGenerators
-from sptransform.torch_internals import local_tensor_mode, maybe_disable_local_tensor_mode, pytree
+from sptransform.torch_internals import local_tensor_mode, set_group_timeout, maybe_disable_local_tensor_mode, pytree
 from sptransform.transform import GraphFactory
 
 log = logger(__name__)
@@ -52,6 +55,8 @@ def parallelize(
     zero: int = 0,
     compile: Literal["inductor", "eager"] = "inductor",
     overlap: bool | None = None,
+    dp_loss: Literal["tokens", "replicas"] = "tokens",
+    peer_timeout_s: float | None = DEFAULT_PEER_TIMEOUT_S,
 ) -> "ParallelModule | PipelinedModule":
     """Turn an unmodified single-device ``model`` into one that trains across ``tp`` ranks
     with Megatron tensor parallelism (and sequence parallelism when ``sp``).
@@ -113,6 +118,13 @@ def parallelize(
     accelerators only (on CPU gloo reduces on the cores that compute: measured slower).
     ``False`` waits on each collective at once.
 
+    ``dp_loss`` (``dp > 1``): ``"tokens"`` weights each replica's gradient by its count of
+    non-ignored targets where the loss is a token mean found on the graph (single-device
+    gradients of the concatenated batch, whatever each replica's ``-100`` count or batch size);
+    ``"replicas"`` averages the replicas' gradients. ``peer_timeout_s`` (``dp > 1``): how long a
+    rank waits for its data-parallel peers before raising, naming the one missing (README,
+    "Faults and timeouts").
+
     Every argument is validated here; a bad one is a ``TypeError``/``ValueError`` naming the
     value, the rule and the fix.
     """
@@ -121,7 +133,8 @@ def parallelize(
     _refuse_parallel_input(model)
     options = ParallelOptions(tp=tp, sp=sp, dropout_rng=dropout_rng, seed=seed, recompute=recompute,
                               check_inputs=check_inputs, graph_cache_size=graph_cache_size, dp=dp, zero=zero,
-                              compile=compile, overlap=overlap)
+                              compile=compile, overlap=overlap,
+                              dp_loss=dp_loss, peer_timeout_s=peer_timeout_s)
     _check_mesh(mesh)
     pipeline = _pipeline_options(options, pp, schedule, n_microbatches, stages_per_rank, stored_microbatches)
     device = device_of(model)
@@ -138,7 +151,10 @@ def parallelize(
     start = time.perf_counter()
     whole_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights once
     meshes = _meshes(options, pipeline, mesh, device)
-    factory = _factory(model, options, meshes.tp, device, meshes.dp_group)
+    # Pipeline stages are cut from the graph around its loss output, which the token weighting
+    # replaces (passes.token_weighting): pipelines average the replicas' gradients (README).
+    graph_options = options if meshes.pipeline is None else dataclasses.replace(options, dp_loss="replicas")
+    factory = _factory(model, graph_options, meshes.tp, device, meshes.dp_group)
     common = dict(factory=factory, options=options, param_mesh=meshes.param)
     if meshes.pipeline is not None:
         module = PipelinedModule(model, pipeline=pipeline, mesh=meshes.pipeline, example_args=args,
@@ -183,6 +199,8 @@ def _meshes(options: ParallelOptions, pipeline: PipelineOptions | None, mesh, de
         raise ValueError("dp > 1 needs real ranks (torchrun, gloo or nccl): simulated ranks run tensor "
                          "parallelism only; use sptransform.verify(model, tp=...) for the tensor-parallel part")
     full = resolve_mesh(options.dp, pp, options.tp, mesh, device)
+    if mesh is None and options.peer_timeout_s is not None:  # a group of ours: replicas wait peer_timeout_s
+        set_group_timeout(full["dp"].get_group(), datetime.timedelta(seconds=options.peer_timeout_s))
     return _Meshes(full["tp"], full["pp", "tp"] if pp > 1 else None, full["dp", "tp"], full,
                    full["dp"].get_group().group_name)
 

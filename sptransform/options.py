@@ -30,6 +30,10 @@ DEFAULT_STAGES_PER_RANK: dict[str, int] = {"gpipe": 1, "1f1b": 1, "interleaved1f
 schedules that run several stages per rank."""
 
 DropoutRng = Literal["independent", "reference"]
+DpLoss = Literal["tokens", "replicas"]
+"""How data-parallel replicas' gradients are combined (``ParallelOptions.dp_loss``)."""
+DEFAULT_PEER_TIMEOUT_S = 300.0
+"""Seconds a data-parallel rank waits for its peers by default (``ParallelOptions.peer_timeout_s``)."""
 ZeroStage = Literal[0, 1, 2, 3]
 
 GraphCompiler = Literal["eager", "inductor"]
@@ -133,6 +137,20 @@ class ParallelOptions:
     parameters gathered when it runs; 1 and 2 keep the gathered parameters for backward
     (gathered once per forward), 3 gathers them again for its backward. Gradients: all-reduced
     whole and this rank's piece kept (1), or reduce-scattered to the pieces (2 and 3)."""
+    dp_loss: DpLoss = "tokens"
+    """With ``dp > 1``, how the replicas' gradients are combined. ``"tokens"``: where the loss
+    the model returns is a mean over its non-ignored targets (cross-entropy or NLL with mean
+    reduction and no class weights, found on the graph), each replica's gradient is weighted by
+    its share of the global count of those targets (one all-reduce of a count per call), so
+    training equals one device on the concatenated batch even when replicas hold different
+    numbers of ``-100`` labels or different local batch sizes; any other loss gets the mean of
+    the replicas' gradients. ``"replicas"``: always the mean of the replicas' gradients (plain
+    DDP). Either way each replica's returned loss is its own local mean."""
+    peer_timeout_s: float | None = DEFAULT_PEER_TIMEOUT_S
+    """With ``dp > 1``, the longest a rank waits for its data-parallel peers: at each call's
+    replica check and in the gradient collectives of the data-parallel process group sptransform
+    creates (the group's timeout). Past it every waiting rank raises, naming the rank that did
+    not arrive. ``None``: the process group's own timeout (torch's default: 30 minutes)."""
     compile: GraphCompiler = "inductor"
     """How the forward and backward graphs that ``recompute`` partitions (of the module, or of each
     pipeline stage) are compiled: ``"inductor"`` (default) generates fused kernels (C++/OpenMP on
@@ -174,6 +192,13 @@ class ParallelOptions:
         check_graph_compiler(self.compile)
         if self.overlap is not None:
             _check_bool("overlap", self.overlap)
+        if self.dp_loss not in get_args(DpLoss):
+            raise ValueError(f"dp_loss={self.dp_loss!r}: use 'tokens' (weighted by each replica's count of "
+                             "non-ignored targets) or 'replicas' (the mean of the replicas' gradients)")
+        if self.peer_timeout_s is not None and (isinstance(self.peer_timeout_s, bool) or not isinstance(
+                self.peer_timeout_s, (int, float)) or not 0 < self.peer_timeout_s < float("inf")):
+            raise ValueError(f"peer_timeout_s={self.peer_timeout_s!r}: pass a positive number of seconds, or None "
+                             "for the process group's own timeout")
 
     @property
     def remat(self) -> "RematOptions | None":

@@ -447,3 +447,24 @@ __all__ = [
     "propagate_through_decomposition", "wrap_with_op_strategy",
 ]
 
+
+
+def default_store():
+    """The key-value store of the default process group (``distributed_c10d._get_default_store``):
+    the TCPStore every rank already reaches, through which data-parallel replicas meet at each
+    call and leave records of where they are (``runtime.faults``), outside the process groups'
+    collectives (which a mismatched peer could pair with). Public replacement: none (the store is
+    only public when the user creates it and passes it to ``init_process_group``)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def set_group_timeout(group, timeout) -> None:
+    """Set how long ``group``'s collectives wait for their peers
+    (``distributed_c10d._set_pg_timeout``): the data-parallel group sptransform creates waits
+    ``peer_timeout_s``, not the process group's 30-minute default. Public replacement: none
+    (``new_group(timeout=)`` only at creation, and ``init_device_mesh`` takes no timeout)."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timeout, group)

@@ -13,6 +13,8 @@ fake parameters), then runs ``PASSES`` top to bottom (``build_parallel_graph``):
     tensor_parallel                          passes.tensor_parallel  local shapes, collectives, f, buckets
     dropout                                  passes.dropout          rank-aware masks
     data_parallel                            passes.data_parallel    dp > 1: gradient averaging / ZeRO-3 gathers
+    token_weighting                          passes.token_weighting  dp > 1, dp_loss="tokens": token-mean losses
+                                                                     weighted by each replica's token count
 
 Each entry is a ``passes.base.Pass``: a function ``(gm, build) -> PassResult``, the ``Build``
 fields and ``node.meta`` keys it requires and adds, and a predicate of the options saying
@@ -56,6 +58,7 @@ from sptransform.passes.base import Pass, PassResult, run_logged, run_passes
 from sptransform.passes.canonicalize import functional_copies, narrow_as_slice, remove_dead_code, repeat_grouped_kv, split_bias
 from sptransform.passes.data_parallel import DataParallelPlan, data_parallel, zero_dim
 from sptransform.passes.dropout import shard_dropout
+from sptransform.passes.token_weighting import weight_by_token_counts
 from sptransform.passes.overlap import schedule_collectives
 from sptransform.passes.remat import remat_partition
 from sptransform.passes.tensor_parallel import add_rank_input, apply_placements
@@ -110,6 +113,10 @@ def _tensor_parallel(build: Build) -> bool:
 
 def _data_parallel(build: Build) -> bool:
     return build.options.dp > 1
+
+
+def _token_weighted(build: Build) -> bool:
+    return build.options.dp > 1 and build.options.dp_loss == "tokens"
 
 
 def _changed(gm: fx.GraphModule, count: int) -> PassResult:
@@ -236,6 +243,13 @@ def _add_data_parallel(gm: fx.GraphModule, build: Build) -> PassResult:
     return PassResult(data_parallel(gm, trainable, build.data_parallel, build.layer_rows()), True)
 
 
+def _weight_tokens(gm: fx.GraphModule, build: Build) -> int:
+    """How many token-mean loss outputs ``passes.token_weighting`` weighted."""
+    before = _targets(gm)
+    weight_by_token_counts(gm, group=build.dp_group, size=build.options.dp)
+    return len(_targets(gm)) - len(before)
+
+
 # The pass list, run top to bottom on the captured graph. ``requires``/``adds`` name ``Build``
 # fields and ``node.meta`` keys (``passes.base``); ``enabled`` says for which options a pass runs.
 PASSES: list[Pass] = [
@@ -256,6 +270,8 @@ PASSES: list[Pass] = [
          adds=("sptransform_spec",), enabled=_tensor_parallel),
     Pass("dropout", _dropout, requires=("plan", "sptransform_spec", "val"), enabled=_tensor_parallel),
     Pass("data_parallel", _add_data_parallel, requires=("val",), adds=("data_parallel",), enabled=_data_parallel),
+    Pass("token_weighting", lambda gm, b: _changed(gm, _weight_tokens(gm, b)), requires=("val",),
+         enabled=_token_weighted),
 ]
 
 

@@ -218,6 +218,8 @@ class PipelinedModule(ModuleCore):
         with functorch_config.patch(donated_buffer=False):
             run.schedule.step(target=self._target, losses=losses, return_outputs=False, **named)
         self._sum_tied_gradients()
+        if self._replicas is not None:  # a step runs its backward (what the replica check reports)
+            self._replicas.backward_of = self._replicas.calls
         return self._broadcast_loss(losses)
 
     def _prepare(self, args: tuple, kwargs: dict) -> _Run:

@@ -27,11 +27,15 @@ buckets do.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+from sptransform.runtime.faults import naming_failures
 
 from sptransform.torch_internals import funcol, queue_backward_callback, resolve_process_group
 
@@ -44,12 +48,12 @@ def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
 
 
-def _all_reduce_later(x: torch.Tensor, group: str) -> torch.Tensor:
+def _all_reduce_later(x: torch.Tensor, group: str, naming=None) -> torch.Tensor:
     """An all-reduce not waited on here (see ``_later``)."""
-    return _later(funcol.all_reduce(x.contiguous(), "sum", group))
+    return _later(funcol.all_reduce(x.contiguous(), "sum", group), naming)
 
 
-def _later(result: torch.Tensor) -> torch.Tensor:
+def _later(result: torch.Tensor, naming=None) -> torch.Tensor:
     """A gradient bucket's collective, left in flight while the rest of the backward runs.
     Eagerly, ``result`` is torch's ``AsyncCollectiveTensor``: the gradients are views of it, and
     reading one before the collective is done waits for it (views do not); in any case the
@@ -60,9 +64,15 @@ def _later(result: torch.Tensor) -> torch.Tensor:
     ``torch.compile``), ``result`` is already a ``wait_tensor`` node, which the overlap pass
     moves to its first reader."""
     if isinstance(result, funcol.AsyncCollectiveTensor):
-        queue_backward_callback(result.trigger_wait)
+        queue_backward_callback(result.trigger_wait if naming is None else functools.partial(_wait_named, result, naming))
         weakref.finalize(result, funcol.wait_tensor, result.elem)
     return result
+
+
+def _wait_named(result, naming) -> None:
+    """``result``'s wait, its failure raised by ``naming`` (a ``runtime.faults.naming_failures``)."""
+    with naming:
+        result.trigger_wait()
 
 
 def note_gradient(param: torch.nn.Parameter) -> None:
@@ -205,8 +215,20 @@ class _AverageGrads(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         flat = _flat_bucket(grads, ctx.shapes) / ctx.size
-        flat = _all_reduce_later(flat, ctx.group) if ctx.overlap else _all_reduce(flat, ctx.group)
+        # Eagerly, a failed all-reduce names the ranks (runtime.faults); traced, there is no wait here.
+        naming = None if torch.compiler.is_compiling() else _named(ctx.group, len(ctx.shapes))
+        if ctx.overlap:
+            flat = _all_reduce_later(flat, ctx.group, naming)
+        else:
+            with naming or contextlib.nullcontext():
+                flat = _all_reduce(flat, ctx.group)
         return (None, None, None, *_unflatten(flat, ctx.shapes))
+
+
+def _named(group: str, count: int):
+    """A data-parallel bucket's collective, whose failure names the ranks (``runtime.faults``)."""
+    return naming_failures(lambda: f"the data-parallel gradient all-reduce of a bucket of {count} parameters",
+                           lambda: dist.get_process_group_ranks(_resolve(group)))
 
 
 def average_grads(group: str, size: int, *params: torch.Tensor, overlap: bool = False) -> tuple[torch.Tensor, ...]:

@@ -12,7 +12,8 @@ torch schedule), not in how they mirror the original. That part is here, once:
 * **state dicts**: entries DCP can save and load, whole tensors accepted on load
   (``runtime.checkpoint``); parameters built on meta are refused until loaded;
 * **inputs**: every call's checks run before any collective, and an error found on one rank is
-  raised on every rank (``runtime.checks``);
+  raised on every rank (``runtime.checks``); with data parallelism the replicas also meet, and
+  a grad-mode difference or a missing replica is raised on every one (``runtime.faults``);
 * **generators**: ``pm.rng``, the module's dropout generators and default generator state.
 """
 
@@ -27,7 +28,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from sptransform.graph.plan import ParamPlacement
 from sptransform.options import ParallelOptions
 from sptransform.runtime.checkpoint import install_checkpoint_views
-from sptransform.runtime.checks import check_call, fingerprint, gather_fingerprints, leaf_names, raise_if_disagree
+from sptransform.runtime.checks import (
+    check_call, fingerprint, gather_fingerprints, leaf_names, raise_if_disagree, stable_hash,
+)
+from sptransform.runtime.faults import ReplicaCheck
 from sptransform.torch_internals import non_persistent_buffer_names
 from sptransform.runtime.params import (
     call_defaults, device_of, placeholder, placement_of, set_by_path, shard_parameter, unloaded_error,
@@ -92,6 +96,9 @@ class ModuleCore(nn.Module):
         self._placements: dict[str, ParamPlacement] = {}
         self._data_parallel = None  # the graph's data-parallel plan (ZeRO-3 dims), set with the placements
         self._unloaded: set[str] = set()  # built on meta, not yet loaded (runtime.params)
+        # With data parallelism and check_inputs, the replicas meet at every call (runtime.faults).
+        self._replicas = ReplicaCheck(param_mesh["dp"].get_group(), options.peer_timeout_s) \
+            if param_mesh is not None and options.check_inputs else None
 
     # -- the original's state, mirrored -----------------------------------------
 
@@ -171,6 +178,11 @@ class ModuleCore(nn.Module):
             result = local()
         except Exception as err:  # held: raised below, after the ranks have compared notes
             error = err
+        if self._replicas is not None:  # the data-parallel replicas meet (runtime.faults)
+            try:
+                self._replicas.arrive(stable_hash(self._mode_key()), error is not None)
+            except (ValueError, RuntimeError) as err:  # held, so that the tensor-parallel peers hear of it
+                error = error or err
         agreement = self._agreement()
         if agreement is not None:
             rows = fingerprint(args, kwargs, self._mode_key(), error is not None, self._device)

@@ -51,6 +51,7 @@ from sptransform.runtime.checks import (
 from sptransform.runtime.core import Agreement, ModuleCore, mirror_modules  # noqa: F401  (mirror_modules: re-exported)
 from sptransform.runtime.explain import explain
 from sptransform.runtime.generate import generate_tokens
+from sptransform.runtime.faults import naming_failures
 from sptransform.runtime.ops import take_local
 from sptransform.runtime.params import contiguous_stride, get_by_path, held_share
 from sptransform.runtime.rng import RankGenerators
@@ -300,7 +301,10 @@ class ParallelModule(ModuleCore):
         with regather_saved() if self._options.zero == 3 else contextlib.nullcontext():
             if self._runner_compiles:
                 return self._compute_with_runner(graph, args, kwargs)
-            outputs = graph.captured.gm(*self._graph_inputs(graph, args, kwargs))
+            named = self._replicas is not None and not torch.compiler.is_compiling()
+            with naming_failures(lambda: f"a collective in the forward of call {self._replicas.calls}",
+                                 lambda: self._param_mesh.mesh.flatten().tolist()) if named else contextlib.nullcontext():
+                outputs = graph.captured.gm(*self._graph_inputs(graph, args, kwargs))
         return list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
 
     @torch.compiler.disable
@@ -326,6 +330,12 @@ class ParallelModule(ModuleCore):
         the local logits, and ``DTensor.from_local``'s own backward takes either kind."""
         self._last = graph
         outputs = list(outputs)
+        if self._replicas is not None:  # which call's backward ran last: the replica check reports it
+            needing = [x for x in outputs if isinstance(x, torch.Tensor) and x.requires_grad]
+            if needing:
+                call, replicas = self._replicas.calls, self._replicas
+                torch.autograd.graph.register_multi_grad_hook(
+                    needing, lambda _: setattr(replicas, "backward_of", call), mode="any")
         if graph.plan is not None and graph.plan.output_specs:
             install_loss_hint()  # a loss on these without loss_parallel() names its fixes
             for index, (spec, size) in graph.plan.output_specs.items():

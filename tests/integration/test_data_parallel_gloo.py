@@ -2,7 +2,9 @@
 to 3, with and without overlap, train like one device on the global batch (dp-averaged loss,
 ``clip_grad_norm_``, every gradient, parameters after AdamW steps); ZeRO 1 to 3 hold 1/dp of the
 parameters, gradients and optimizer state between steps; ZeRO-3 keeps no gathered parameter for
-backward, ZeRO 1 and 2 keep exactly those it gathers again."""
+backward, ZeRO 1 and 2 keep exactly those it gathers again. Replicas with different token counts
+and local batch sizes get the concatenated batch's gradients (``dp_loss="tokens"``) or the mean
+of their own (``"replicas"``)."""
 
 from __future__ import annotations
 
@@ -141,12 +143,62 @@ def _checkpoint_round_trip(pm, kind: str, *, dp: int, tp: int, zero: int, exampl
         assert torch.equal(p.full_tensor(), saved[name].full_tensor()), f"{name} after a DCP round trip"
 
 
+def _unequal_batches(dp_rank: int) -> dict:
+    """Replica 0: 4 sequences, 24 of their targets ignored; replica 1: 2 sequences, 3 ignored
+    (different token counts and local batch sizes)."""
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, VOCAB, (6, SEQ), generator=g)
+    labels = ids.clone()
+    labels[0, 4:] = -100
+    labels[1, 8:] = -100
+    labels[4, :3] = -100
+    rows = slice(0, 4) if dp_rank == 0 else slice(4, 6)
+    return dict(input_ids=ids[rows], labels=labels[rows]), dict(input_ids=ids, labels=labels)
+
+
+def _grad_errors(pm, grads: dict) -> float:
+    """The largest relative error (norm of the difference / norm of the reference) over the gradients."""
+    return max(float((p.grad.full_tensor() - grads[n]).norm() / grads[n].norm()) for n, p in pm.named_parameters())
+
+
+def _unequal_tokens(kind: str, *, tp: int, zero: int, dp_loss: str, pp: int = 1) -> float:
+    """dp=2 replicas with different numbers of ignored labels and of sequences: with ``dp_loss=
+    "tokens"`` every gradient equals one device's on the concatenated batch; with ``"replicas"``
+    it equals the mean of one device's gradients on each replica's batch. Each replica's loss is
+    its own batch's mean. Returns the largest relative gradient error against the concatenated
+    batch."""
+    import sptransform
+
+    dp_rank = dist.get_rank() // (pp * tp)
+    mine, everything = _unequal_batches(dp_rank)
+    model = _model(kind)
+    ref = copy.deepcopy(model)
+    example = {k: v[:4] for k, v in everything.items()}  # one example shape on every rank (replica 1 recaptures)
+    pm = sptransform.parallelize(model, tp=tp, dp=2, zero=zero, dp_loss=dp_loss, example_inputs=example)
+    loss = pm(**mine).loss
+    loss.backward()
+    single = {}
+    for name, batch in (("all", everything), *((f"replica {r}", _unequal_batches(r)[0]) for r in range(2))):
+        ref.zero_grad()
+        ref_loss = ref(**batch).loss
+        ref_loss.backward()
+        single[name] = {n: p.grad.clone() for n, p in ref.named_parameters()}
+        if name == f"replica {dp_rank}":
+            torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=1e-6)  # the local mean
+    expected = single["all"] if dp_loss == "tokens" else \
+        {n: (single["replica 0"][n] + single["replica 1"][n]) / 2 for n in single["all"]}
+    for name, p in pm.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), expected[name], rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, n=name: f"dp_loss={dp_loss}: grad of {n}: {m}")
+    return _grad_errors(pm, single["all"])
+
+
 def _worker(rank: int, world: int, port: int, cases: list, results: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
     try:
         for case in cases:
-            measured = _train(**case)
+            measured = _unequal_tokens(**case["unequal"]) if "unequal" in case else _train(**case)
             if rank == 0:
                 results[repr(case)] = measured
         dist.barrier()
@@ -168,7 +220,11 @@ def test_dp_times_tp_trains_like_one_device_with_zero_0_to_3(tmp_path):
     cases[6]["overlap"] = False
     cases.append(dict(kind="gpt2", dp=2, tp=2, pp=1, zero=3, recompute="selective"))
     cases.append(dict(kind="llama", dp=2, tp=2, pp=1, zero=3, recompute="selective", compile="inductor"))
-    results = _run(4, cases)
+    unequal = [dict(unequal=dict(kind="gpt2", tp=2, zero=3, dp_loss="tokens")),
+               dict(unequal=dict(kind="llama", tp=2, zero=0, dp_loss="replicas"))]
+    results = _run(4, cases + unequal)
+    tokens, replicas = (results[repr(case)] for case in unequal)
+    assert tokens < 1e-5 and replicas > 0.1, (tokens, replicas)  # the mean of replica means is 22% off here
     for kind in ("gpt2", "llama"):
         plain = [case for case in cases if case["kind"] == kind and "recompute" not in case]
         zero0, *sharded = (results[repr(case)] for case in plain)

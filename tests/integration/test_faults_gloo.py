@@ -6,6 +6,7 @@ blocking the suite, and leftover processes are killed."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -316,3 +317,103 @@ def test_checkpoint_with_rng_resumes_bit_for_bit(tmp_path):
     for kind in ("tp", "pp"):
         for rank in range(2):
             assert (tmp_path / f"{kind}-rank{rank}.ok").exists(), (kind, rank)
+
+
+# ---------------------------------------------------------------------------
+# data-parallel replicas: grad modes compared, a skipped backward and a killed peer named
+
+
+def _timed(fn) -> dict:
+    start = time.monotonic()
+    try:
+        fn()
+        result = {"raised": None}
+    except Exception as err:
+        result = {"raised": type(err).__name__, "message": str(err)}
+    result["elapsed"] = time.monotonic() - start
+    return result
+
+
+def _replica_faults(rank: int, world: int, port: int, scenario: str, folder: str) -> None:
+    """dp=2, tp=1, ``peer_timeout_s=5``. ``skip``: replicas with unequal token counts train like one
+    device; a no_grad forward on one replica raises on both; then rank 1 skips a backward and
+    calls again, and each rank records what it raised and when. ``kill``: rank 1 dies between its
+    forward and backward, and rank 0 records what its backward raised."""
+    import signal
+
+    import sys
+
+    import sptransform
+
+    sys.path.insert(0, os.path.dirname(__file__))  # a spawned rank does not have pytest's path
+    from test_data_parallel_gloo import _unequal_tokens
+
+    _init(rank, world, port, 120)
+    results = {}
+    if scenario == "skip":
+        results["unequal error"] = _unequal_tokens("llama", tp=1, zero=0, dp_loss="tokens")
+    batch = _batches(1)[0]
+    pm = sptransform.parallelize(_llama(dropout=0.0), tp=1, dp=2, peer_timeout_s=5, example_inputs=batch)
+    pm(**batch).loss.backward()  # in sync
+    if scenario == "skip":
+        with torch.no_grad() if rank == 1 else contextlib.nullcontext():
+            results["no_grad"] = _timed(lambda: pm(**batch))
+        pm(**batch).loss.backward()  # still in sync after it
+        loss = pm(**batch).loss
+        results["skip"] = _timed(loss.backward if rank == 0 else lambda: pm(**batch))
+    else:
+        loss = pm(**batch).loss
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        results["kill"] = _timed(loss.backward)
+    path = os.path.join(folder, f"{scenario}-rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(results, f)
+    os.replace(path + ".tmp", path)  # whole when it appears: the test reads it as soon as it does
+    end = time.monotonic() + 30  # rank 0's process holds the store: it stays until rank 1 is done
+    while rank == 0 and scenario == "skip" and not os.path.exists(os.path.join(folder, "skip-rank1.json")) \
+            and time.monotonic() < end:
+        time.sleep(0.2)
+    os._exit(0)  # a group whose collective failed cannot be torn down cleanly (see above)
+
+
+def _spawn_until(path, fn, world: int, deadline_s: float, *args) -> None:
+    """Spawn ``fn`` (a rank of which is SIGKILLed, which ``_spawn`` reports as a failure at once) and
+    wait until ``path`` is written or the deadline passes; then kill what is left."""
+    import torch.multiprocessing as mp
+
+    from simulate import free_port
+
+    context = mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=False, start_method="spawn")
+    end = time.monotonic() + deadline_s
+    try:
+        while not path.exists() and time.monotonic() < end:
+            time.sleep(0.5)
+        assert path.exists(), f"{fn.__name__} wrote no {path.name} within {deadline_s} s"
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
+
+
+def test_data_parallel_faults_fail_within_the_peer_timeout_naming_the_rank(tmp_path):
+    """A skipped backward raises on both replicas within peer_timeout_s (5 s) plus the 5 s grace,
+    each naming the other; a killed replica is named by the survivor; a no_grad forward on one
+    replica is a ValueError on both at once. Unequal token counts: one device's gradients."""
+    _spawn(_replica_faults, 2, 600, "skip", str(tmp_path))  # a hang fails; the machine may be loaded
+    _spawn_until(tmp_path / "kill-rank0.json", _replica_faults, 2, 600, "kill", str(tmp_path))
+    skip = [json.loads((tmp_path / f"skip-rank{r}.json").read_text()) for r in range(2)]
+    assert skip[0]["unequal error"] < 1e-5
+    for r in range(2):
+        assert skip[r]["no_grad"]["raised"] == "ValueError", skip[r]
+        assert "data-parallel ranks [rank 0] vs [rank 1] differ in gradients enabled" in skip[r]["no_grad"]["message"]
+        assert skip[r]["skip"]["raised"] == "PeerFailure", skip[r]
+        assert skip[r]["skip"]["elapsed"] < 5 + 5 + 10, skip[r]  # the timeout, the grace, slack
+    assert "the data-parallel gradient all-reduce" in skip[0]["skip"]["message"]
+    assert "rank 1 failed too" in skip[0]["skip"]["message"]
+    assert "the previous call's backward did not run" in skip[0]["skip"]["message"]
+    assert "waiting for rank 0, which did not arrive" in skip[1]["skip"]["message"]
+    kill = json.loads((tmp_path / "kill-rank0.json").read_text())["kill"]
+    assert kill["raised"] == "PeerFailure", kill
+    assert "rank 1 reported nothing" in kill["message"] and kill["elapsed"] < 5 + 5 + 10, kill
