@@ -246,6 +246,12 @@ class RematOptions:
     """Sequence parallelism: never save an all-gather's output that feeds a weight matmul;
     save its local shard and gather again in backward (the paper's section 4.2.2). A no-op
     on graphs without such all-gathers."""
+    recompute_fusible: bool = True
+    """Let every policy recompute memory-bound ops (pointwise ops, casts, norms, softmax: no
+    matmul, collective or random draw) in the backward where that keeps fewer bytes, as torch's
+    default partitioner does after inductor's decompositions, so no policy keeps more than
+    ``torch.compile`` would. False saves their outputs, as eager PyTorch (and the paper's Table 2)
+    counts."""
     flops_per_comm_byte: float = 1000.0
     """Recompute cost of moving one byte, in FLOPs (about an A100's FLOP/s over its NVLink B/s)."""
     blocks: tuple[BlockKind, ...] = ()
