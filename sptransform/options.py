@@ -236,8 +236,11 @@ class RematOptions:
     policy: RematPolicy = "none"
     """What to recompute; see ``sptransform.passes.remat``."""
     budget: int | float | None = None
-    """For ``policy="budget"``: bytes saved for backward per rank (an int), or a fraction
-    of what ``"none"`` saves (a float in (0, 1])."""
+    """For ``policy="budget"``: bytes saved for backward per rank and graph (an int), or a
+    fraction f in (0, 1] of the way from the smallest feasible partition (inputs and RNG states
+    only) to ``"none"``: ``minimum + f * (none - minimum)`` bytes. A fraction holds for a whole
+    model call that dynamo compiles as several graphs (a graph break at the loss): each graph
+    gets its own share, and the shares add up to the same fraction of the whole call."""
     replay_rng: bool = True
     """Recompute random ops by replaying their RNG state exactly; else save their outputs."""
     recompute_collectives: bool = False

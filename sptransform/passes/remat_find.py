@@ -443,10 +443,6 @@ def plan_remat(analysis: JointAnalysis, options: RematOptions) -> RematPlan:
 
 
 def _plan_budget(analysis: JointAnalysis, cut: MinCut, options: RematOptions, notes: list[str]) -> RematPlan:
-    budget = options.budget
-    if isinstance(budget, float):
-        none = MinCut(analysis, policy_constraints(analysis, RematOptions(policy="none")), options).smallest()
-        budget = int(budget * none.saved_bytes)
     # The Lagrangian hull misses the points above it (saving is all or nothing per
     # tensor: the logits, one layer's attention). Candidates: the hull; the hull with
     # everything outside the layers kept ("recompute inside the layers only"); and the
@@ -457,10 +453,13 @@ def _plan_budget(analysis: JointAnalysis, cut: MinCut, options: RematOptions, no
         if analysis.regions.layer.get(n) is None and n not in analysis.free and n not in layers_only.must_recompute
     }
     candidates = cut.frontier() + MinCut(analysis, layers_only, options).frontier()
+    named = {}
     for policy in ("none", "selective", "full", "norm_upproj"):
-        named = replace(options, policy=policy, budget=None)
-        candidates.append(MinCut(analysis, policy_constraints(analysis, named), named).smallest())
+        policy_options = replace(options, policy=policy, budget=None)
+        named[policy] = MinCut(analysis, policy_constraints(analysis, policy_options), policy_options).smallest()
+    candidates += named.values()
     minimum = min(_with_states(s) for s in candidates)
+    budget = budget_bytes(options.budget, minimum=minimum, none=_with_states(named["none"]))
     best = best_within_budget(analysis, candidates, budget, options)
     if best is None:
         raise ValueError(
@@ -470,6 +469,16 @@ def _plan_budget(analysis: JointAnalysis, cut: MinCut, options: RematOptions, no
     frontier = pareto(candidates, options)
     notes = notes + [f"budget {budget} bytes: saving {best.saved_bytes} bytes, {len(frontier)} frontier points"]
     return RematPlan("budget", best, notes=notes, frontier=frontier, minimum_feasible_bytes=minimum)
+
+
+def budget_bytes(budget: int | float, *, minimum: int, none: int) -> int:
+    """Bytes a budget allows: an int as given; a fraction f of the way from the smallest feasible
+    partition to "none", ``minimum + f * (none - minimum)``. Being linear in the two ends, a
+    fraction splits exactly over the graphs of one call (dynamo's graph breaks): each graph's
+    share adds up to the same fraction of the whole call, and no graph's share is infeasible."""
+    if isinstance(budget, float):
+        return minimum + int(budget * max(none - minimum, 0))
+    return budget
 
 
 def best_within_budget(
