@@ -6,8 +6,8 @@
 
 Settings (traced under fake tensors, nothing allocated; one device, fp32, dropout 0.1 where the
 model has it), small enough for a 2-core CPU:
-  gpt2    HF GPT2LMHeadModel, 4 layers, h=256, 4 heads, vocab 8192, seq 512, batch 2, eager attention;
-  llama   HF LlamaForCausalLM, 4 layers, h=256, 4 heads (2 K/V), ffn 688, vocab 8192, seq 512, batch 2, SDPA.
+  gpt2    HF GPT2LMHeadModel, 2 layers, h=128, 4 heads, vocab 2048, seq 256, batch 2, eager attention;
+  llama   HF LlamaForCausalLM, 2 layers, h=128, 4 heads (2 K/V), ffn 344, vocab 2048, seq 256, batch 2, SDPA.
 
 Points, each measured on its own partitioned graphs (bytes saved for backward: unique storages,
 parameters left out): sptransform's "none", "selective", "full", "norm_upproj"; torch.compile's
@@ -45,8 +45,8 @@ from sptransform.passes.remat import RematOptions, best_within_budget  # noqa: E
 from sptransform.torch_internals import run_with_rng_state  # noqa: E402
 
 NAMED = ("none", "selective", "full", "norm_upproj")
-BUDGET_FRACTIONS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
-TORCH_FRACTIONS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
+BUDGET_FRACTIONS = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)
+TORCH_FRACTIONS = (0.0, 0.1, 0.3, 0.5, 0.7, 0.9)
 
 
 @dataclass
@@ -97,19 +97,19 @@ def _hf(name: str):
     import transformers
 
     if name == "gpt2":
-        cfg = transformers.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=8192, n_positions=512,
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=2048, n_positions=256,
                                       bos_token_id=0, eos_token_id=0, attn_implementation="eager")
         build = transformers.GPT2LMHeadModel
     else:
-        cfg = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=256, num_attention_heads=4,
-                                       num_key_value_heads=2, intermediate_size=688, vocab_size=8192,
-                                       max_position_embeddings=512, bos_token_id=0, eos_token_id=0)
+        cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
+                                       num_key_value_heads=2, intermediate_size=344, vocab_size=2048,
+                                       max_position_embeddings=256, bos_token_id=0, eos_token_id=0)
         build = transformers.LlamaForCausalLM
     with torch.device("meta"):
         model = _Loss(build(cfg)).train()
     model, fake_mode = fake_copy(model)
     with fake_mode:
-        idx = torch.zeros(2, 512, dtype=torch.long)
+        idx = torch.zeros(2, 256, dtype=torch.long)
     return dict(module=model, example_inputs=[idx, idx], select_output=lambda loss: loss)
 
 
