@@ -257,8 +257,11 @@ class RematOptions:
     policy: RematPolicy = "none"
     """What to recompute; see ``sptransform.passes.remat``."""
     budget: int | float | None = None
-    """For ``policy="budget"``: bytes saved for backward per rank (an int), or a fraction
-    of what ``"none"`` saves (a float in (0, 1])."""
+    """For ``policy="budget"``: bytes saved for backward per rank and graph (an int), or a
+    fraction f in (0, 1] of the way from the smallest feasible partition (inputs and RNG states
+    only) to ``"none"``: ``minimum + f * (none - minimum)`` bytes. A fraction holds for a whole
+    model call that dynamo compiles as several graphs (a graph break at the loss): each graph
+    gets its own share, and the shares add up to the same fraction of the whole call."""
     replay_rng: bool = True
     """Recompute random ops by replaying their RNG state exactly; else save their outputs."""
     recompute_collectives: bool = False
@@ -267,6 +270,12 @@ class RematOptions:
     """Sequence parallelism: never save an all-gather's output that feeds a weight matmul;
     save its local shard and gather again in backward (the paper's section 4.2.2). A no-op
     on graphs without such all-gathers."""
+    recompute_fusible: bool = True
+    """Let every policy recompute memory-bound ops (pointwise ops, casts, norms, softmax: no
+    matmul, collective or random draw) in the backward where that keeps fewer bytes, as torch's
+    default partitioner does after inductor's decompositions, so no policy keeps more than
+    ``torch.compile`` would. False saves their outputs, as eager PyTorch (and the paper's Table 2)
+    counts."""
     flops_per_comm_byte: float = 1000.0
     """Recompute cost of moving one byte, in FLOPs (about an A100's FLOP/s over its NVLink B/s)."""
     blocks: tuple[BlockKind, ...] = ()

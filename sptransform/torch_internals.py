@@ -221,6 +221,28 @@ def inductor_decomposed(gm, example_inputs):
         return make_fx(gm, decomposition_table=select_decomp_table())(*example_inputs)
 
 
+def inductor_decompositions() -> dict:
+    """Inductor's decomposition table: what ``torch.compile``'s AOTAutograd traces the joint graph
+    with (``partition_module`` measures torch's partitions on such graphs, as torch.compile makes
+    them). Public replacement: none."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
+def inductor_partition(joint, joint_inputs, **kwargs):
+    """``torch.compile``'s own partition of a joint graph traced with ``inductor_decompositions``:
+    inductor's joint-graph passes (its random ops replaced, patterns fused), then
+    ``min_cut_rematerialization_partition(compiler="inductor")``, under the inputs' fake mode as
+    inductor runs them. What plain ``torch.compile(model)`` saves for backward, to measure against
+    (``activation_memory_budget`` in ``functorch_config`` applies). Public replacement: none."""
+    from torch._inductor import compile_fx
+    from torch._inductor.virtualized import V
+
+    with V.set_fake_mode(detect_fake_mode(joint_inputs)):
+        return compile_fx.partition_fn(joint, joint_inputs, **kwargs)
+
+
 def inductor_graph_compilers(num_user_outputs: int, model=None):
     """Inductor's compilers for a forward and a backward graph partitioned by someone else:
     ``(fw_compiler, bw_compiler)`` for AOTAutograd, what ``compile_fx`` builds around its own

@@ -381,7 +381,7 @@ def _scheduled(compiler):
 
 
 def aot_compile(module: torch.nn.Module, tensor_inputs: Sequence[torch.Tensor], *, partition_fn,
-                compile: GraphCompiler = "eager", overlap: bool = True) -> Callable:
+                compile: GraphCompiler = "eager", overlap: bool = True, decompositions: dict | None = None) -> Callable:
     """The one AOTAutograd entry: ``module``'s joint graph, split by ``partition_fn``, with the
     forward and backward compiled by ``compile`` (``graph_compilers``). AOTAutograd lifts
     ``module``'s own parameters and buffers in front of ``tensor_inputs`` (``state_count``);
@@ -389,11 +389,12 @@ def aot_compile(module: torch.nn.Module, tensor_inputs: Sequence[torch.Tensor], 
     without decompositions (the partition reads the model's own ops); inductor decomposes each
     partitioned graph itself, and may lay a saved tensor out otherwise than the joint trace did:
     the backward is compiled for the strides the compiled forward reports (``stride_reporting``),
-    as under ``torch.compile``."""
+    as under ``torch.compile``. ``decompositions``: trace the joint graph with these instead (for
+    measuring torch's own partitioner on the graph torch.compile gives it)."""
     fw_compiler, bw_compiler = graph_compilers(compile, _num_outputs(module), module, overlap=overlap)
     with stride_reporting(tensor_inputs):
         return aot_module_simplified(module, list(tensor_inputs), fw_compiler=fw_compiler, bw_compiler=bw_compiler,
-                                     partition_fn=partition_fn)
+                                     partition_fn=partition_fn, decompositions=decompositions)
 
 
 def _num_outputs(module: torch.nn.Module) -> int:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import logging
+import re
 from importlib.metadata import entry_points
 
 import pytest
@@ -104,3 +106,35 @@ def test_unknown_backend_option_lists_the_valid_ones():
         backend_options({"polcy": "selective"})
     with pytest.raises(ValueError, match="use one of"):
         backend_options({"policy": "half"})
+
+
+@pytest.mark.slow
+def test_fractional_budget_holds_over_the_graphs_of_hf_gpt2_called_with_labels(caplog):
+    """Dynamo compiles HF GPT-2 called with ``labels`` as several graphs (it breaks at the loss);
+    a fractional budget is split over them, each graph's plan fits its share (none is infeasible:
+    a share is never below that graph's minimum), and the model trains like eager."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+    model = transformers.GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, 64, (2, 16))
+    eager, compiled_model = copy.deepcopy(model), copy.deepcopy(model)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(compiled_model, backend=_backend(), options={"policy": "budget", "budget": 0.5,
+                                                                            "compile": "eager"})
+    losses = []
+    with caplog.at_level(logging.INFO, logger="sptransform.passes.remat_find"):
+        for m in (eager, compiled):
+            torch.manual_seed(3)
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=1e-6)
+    for (name, a), (_, b) in zip(eager.named_parameters(), compiled_model.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+    plans = [tuple(map(int, m.groups())) for r in caplog.records
+             if (m := re.search(r"budget (\d+) bytes: saving (\d+) bytes", r.getMessage()))]
+    assert len(plans) >= 2, plans  # one plan per graph with a backward
+    assert all(saved <= budget for budget, saved in plans), plans

@@ -58,9 +58,15 @@ def register(subparsers) -> None:
     parser.add_argument("--recompute", default="none", help=f"{', '.join(POLICIES)} (default none)")
     parser.add_argument("--recompute-collectives", action="store_true",
                         help="let recomputation re-run collectives (Megatron's full recompute does)")
+    parser.add_argument("--recompute-fusible", action="store_true",
+                        help="let every policy recompute memory-bound ops (pointwise, norms, softmax) where that "
+                             "keeps fewer bytes, as the partition for training does (RematOptions' default) and "
+                             "torch.compile's min cut does; without it the report counts as eager PyTorch and the "
+                             "paper's Table 2 do")
     parser.add_argument("--budget", type=parse_budget,
                         help="with --recompute budget: bytes per rank, a whole number with or without a unit "
-                             "(12GiB, 3e9, 1500000000), or a fraction of what 'none' keeps in (0, 1] (0.5)")
+                             "(12GiB, 3e9, 1500000000), or a fraction in (0, 1] (0.5) of the way from the smallest "
+                             "feasible partition to 'none'")
     parser.add_argument("--seq", type=int_type(1, MAX_SIZE), help="sequence length (default: the model's)")
     parser.add_argument("--batch", type=int_type(1, MAX_SIZE),
                         help="micro-batch (default: the paper's for its models, else 1)")
@@ -145,7 +151,8 @@ def run(args) -> int:
         check_pipeline(shape, pp=args.pp, microbatches=microbatches, schedule=args.schedule,
                        stages_per_rank=args.stages_per_rank)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    options = RematOptions(policy=args.recompute, budget=args.budget, recompute_collectives=args.recompute_collectives)
+    options = RematOptions(policy=args.recompute, budget=args.budget, recompute_collectives=args.recompute_collectives,
+                           recompute_fusible=args.recompute_fusible)
     start = time.perf_counter()
     measured = measure_shape(shape, options=options, seq=seq, batch=batch, dtype=dtype,
                              tp=args.tp, sp=args.sp, num_layers=2)
@@ -155,7 +162,8 @@ def run(args) -> int:
     if pipelined:
         everything = None
         if stored is not None:  # what a microbatch that keeps every activation holds
-            everything = measure_shape(shape, options=RematOptions(policy="none"), seq=seq, batch=batch,
+            everything = measure_shape(shape, options=RematOptions(policy="none", recompute_fusible=args.recompute_fusible),
+                                       seq=seq, batch=batch,
                                        dtype=dtype, tp=args.tp, sp=args.sp, num_layers=2)
         report["pipeline"] = pipeline_memory(measured, pp=args.pp, microbatches=microbatches,
                                              schedule=args.schedule, stages_per_rank=args.stages_per_rank,

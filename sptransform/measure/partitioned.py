@@ -30,7 +30,9 @@ from sptransform.passes.remat import (
 
 from sptransform.graph.nodes import number_joint_nodes
 from sptransform.measure.flops import FlopsReport, flops_report
-from sptransform.torch_internals import default_partition, functorch_config, min_cut_rematerialization_partition
+from sptransform.torch_internals import (
+    default_partition, functorch_config, inductor_decompositions, inductor_partition, min_cut_rematerialization_partition,
+)
 from sptransform.transform import aot_compile, state_count
 from sptransform.measure.memory import MemoryReport, memory_report
 
@@ -88,7 +90,11 @@ class _TupleOutput(nn.Module):
 TORCH_PARTITIONERS = {
     "torch-default": default_partition,
     "torch-mincut": min_cut_rematerialization_partition,
+    "torch-inductor": inductor_partition,
 }
+"""Torch's partitioners, for comparison. ``"torch-inductor"`` is what ``torch.compile(model)`` does:
+the joint graph traced with inductor's decompositions, inductor's joint-graph passes, then the
+min cut; the other two partition sptransform's joint graph (the model's own ops)."""
 
 
 def partition_module(
@@ -105,7 +111,7 @@ def partition_module(
 
     Exactly one of ``options`` (sptransform's pass) or ``torch_partitioner`` (one of
     ``TORCH_PARTITIONERS``, for comparison; ``activation_memory_budget`` sets torch's
-    knapsack budget for ``"torch-mincut"``). ``select_output`` picks what to
+    knapsack budget for ``"torch-mincut"`` and ``"torch-inductor"``). ``select_output`` picks what to
     differentiate from the module's output (e.g. the loss of ``(logits, loss)``).
     ``state_inputs``: positions in ``example_inputs`` that hold parameters or buffers
     (a captured graph takes its state as inputs); the module's own parameters and
@@ -131,7 +137,8 @@ def partition_module(
         captured.update(forward=fw, backward=bw)
         return fw, bw
 
-    compiled = aot_compile(wrapped, example_inputs, partition_fn=partition)
+    decompositions = inductor_decompositions() if torch_partitioner == "torch-inductor" else None
+    compiled = aot_compile(wrapped, example_inputs, partition_fn=partition, decompositions=decompositions)
     if "backward" not in captured:
         raise ValueError("nothing requires grad: the module has no backward to partition")
     return Partitioned(

@@ -19,15 +19,18 @@ their own, ``JOINT_PASSES`` (``passes.base``), run on the joint graph. It is spl
   by the backward" edges infinite). A policy only sets which nodes may not be saved
   (``must_recompute``) and which may not be recomputed (``banned``):
 
-  - ``"none"``: nothing with a cost is recomputed (views, constants and a dropout's
-    scaling of its own mask are free);
+  - ``"none"``: no matmul, collective or random draw is recomputed (views, constants and a
+    dropout's scaling of its own mask are free; with ``recompute_fusible``, the default, every
+    policy may also recompute memory-bound ops where that keeps fewer bytes, as torch's
+    default partitioner does, so none keeps more than ``torch.compile``);
   - ``"selective"``: the attention internals between QK^T and attention-over-V may
     not be saved (explicit softmax attention only; with a fused kernel there is
     nothing materialized there and the plan's notes say so);
   - ``"full"``: nothing inside a layer may be saved except the layer inputs;
   - ``"norm_upproj"``: norms and MLP up-projections are recomputed (DeepSeek-V3);
-  - ``"budget"``: nothing is forced. Candidates: the cut for every lambda (the lower
-    convex hull of saved bytes against recompute cost; layers tie-broken so they
+  - ``"budget"``: nothing is forced; a fractional budget f is ``minimum + f * (none - minimum)``
+    bytes (linear, so it splits exactly over the graphs of one dynamo call). Candidates: the
+    cut for every lambda (the lower convex hull of saved bytes against recompute cost; layers tie-broken so they
     switch one at a time), the same with everything outside the layers kept, and the
     named policies; the cheapest candidate under the budget is then filled greedily.
 

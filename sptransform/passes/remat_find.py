@@ -25,7 +25,7 @@ from sptransform.options import REMAT_POLICIES as POLICIES  # noqa: F401  (re-ex
 from sptransform.options import RematOptions, RematPolicy  # noqa: F401  (re-exported)
 from sptransform.graph.cost import Cost, node_cost
 from sptransform.graph.regions import GraphRegions, classify_regions
-from sptransform.torch_internals import partitioners as torch_partitioners
+from sptransform.torch_internals import OpOverload, partitioners as torch_partitioners
 from sptransform.graph.nodes import (
     ALL_GATHERS,
     is_tangent,
@@ -67,6 +67,8 @@ class JointAnalysis:
     free: set[fx.Node]
     """Recomputed at no cost: views, constants, and values only the backward reads."""
     unsaveable: set[fx.Node]
+    fusible: set[fx.Node] = field(default_factory=set)
+    """Memory-bound ops (``is_fusible``) that cost no matmul, collective or random draw to run again."""
 
     def weighted_cost(self, node: fx.Node, options: RematOptions) -> float:
         c = self.cost[node]
@@ -88,7 +90,7 @@ def analyze_joint(
     needed = {n for n in forward if any(u in backward and u.op != "output" for u in n.users) or n in bwd_outputs}
     regions = classify_regions(joint.graph, state=state, outputs=outputs[:num_fwd_outputs], ignore=backward)
     required_fw = {n for n in info.required_fw_nodes if n in forward_set}
-    save_bytes, cost, free, unsaveable = {}, {}, set(), set()
+    save_bytes, cost, free, unsaveable, fusible = {}, {}, set(), set(), set()
     for n in forward:
         cost[n] = node_cost(n)
         if n.op == "placeholder":
@@ -106,6 +108,8 @@ def analyze_joint(
         cheap = (n in regions.constant or n in regions.random_sourced) and not expensive
         if is_view(n) or n not in required_fw or cheap:
             free.add(n)
+        elif not expensive and is_fusible(n):
+            fusible.add(n)
     return JointAnalysis(
         joint=joint,
         num_fwd_outputs=num_fwd_outputs,
@@ -117,7 +121,32 @@ def analyze_joint(
         cost=cost,
         free=free,
         unsaveable=unsaveable,
+        fusible=fusible,
     )
+
+
+# Ops that are one pass over memory: inductor fuses them into the kernels that read their
+# inputs, so running them again in the backward costs no extra pass over their output. Besides
+# ATen's pointwise-tagged ops: the composite ops inductor decomposes into a reduction plus
+# pointwise ops (torch's default partitioner recomputes their pointwise part from saved
+# statistics; recomputing the whole op keeps no more bytes than that), casts and copies, and
+# the gathers an embedding lowers to.
+_MEMORY_BOUND = frozenset({
+    aten.native_layer_norm, aten._softmax, aten._safe_softmax, aten._log_softmax, aten._to_copy, aten.clone, aten.embedding,
+    aten.sum, aten.mean, aten.amax, aten.var_mean, aten.cat, aten.index, aten.gather,
+})
+
+
+def is_fusible(node: fx.Node) -> bool:
+    """A deterministic memory-bound op (pointwise, a norm, a softmax, a cast, a copy) or an item
+    of one; views, matmuls, collectives and random ops are not."""
+    if node.op != "call_function" or is_random(node) or is_collective(node) or node.is_impure():
+        return False
+    if node.target is operator.getitem:
+        return isinstance(node.args[0], fx.Node) and is_fusible(node.args[0])
+    target = node.target
+    return isinstance(target, OpOverload) and (
+        torch.Tag.pointwise in target.tags or target.overloadpacket in _MEMORY_BOUND)
 
 
 @dataclass
@@ -172,7 +201,11 @@ def policy_constraints(analysis: JointAnalysis, options: RematOptions) -> Constr
     out.must_recompute |= wanted
     # saving a view would keep the storage alive all the same
     out.must_recompute |= {n for n in analysis.forward if is_view(n) and storage_root(n) in out.must_recompute}
-    out.banned |= {n for n in analysis.forward if n not in out.must_recompute and n not in analysis.free}
+    # "Nothing with a cost" means no matmul, collective or random draw: with recompute_fusible
+    # the memory-bound ops stay free to recompute where that keeps fewer bytes (what torch's
+    # default partitioner does), so no policy keeps more than torch.compile would
+    allowed = analysis.free | (analysis.fusible if options.recompute_fusible else set())
+    out.banned |= {n for n in analysis.forward if n not in out.must_recompute and n not in allowed}
     out.banned -= out.must_recompute
     return out
 
@@ -410,10 +443,6 @@ def plan_remat(analysis: JointAnalysis, options: RematOptions) -> RematPlan:
 
 
 def _plan_budget(analysis: JointAnalysis, cut: MinCut, options: RematOptions, notes: list[str]) -> RematPlan:
-    budget = options.budget
-    if isinstance(budget, float):
-        none = MinCut(analysis, policy_constraints(analysis, RematOptions(policy="none")), options).smallest()
-        budget = int(budget * none.saved_bytes)
     # The Lagrangian hull misses the points above it (saving is all or nothing per
     # tensor: the logits, one layer's attention). Candidates: the hull; the hull with
     # everything outside the layers kept ("recompute inside the layers only"); and the
@@ -424,10 +453,13 @@ def _plan_budget(analysis: JointAnalysis, cut: MinCut, options: RematOptions, no
         if analysis.regions.layer.get(n) is None and n not in analysis.free and n not in layers_only.must_recompute
     }
     candidates = cut.frontier() + MinCut(analysis, layers_only, options).frontier()
+    named = {}
     for policy in ("none", "selective", "full", "norm_upproj"):
-        named = replace(options, policy=policy, budget=None)
-        candidates.append(MinCut(analysis, policy_constraints(analysis, named), named).smallest())
+        policy_options = replace(options, policy=policy, budget=None)
+        named[policy] = MinCut(analysis, policy_constraints(analysis, policy_options), policy_options).smallest()
+    candidates += named.values()
     minimum = min(_with_states(s) for s in candidates)
+    budget = budget_bytes(options.budget, minimum=minimum, none=_with_states(named["none"]))
     best = best_within_budget(analysis, candidates, budget, options)
     if best is None:
         raise ValueError(
@@ -437,6 +469,16 @@ def _plan_budget(analysis: JointAnalysis, cut: MinCut, options: RematOptions, no
     frontier = pareto(candidates, options)
     notes = notes + [f"budget {budget} bytes: saving {best.saved_bytes} bytes, {len(frontier)} frontier points"]
     return RematPlan("budget", best, notes=notes, frontier=frontier, minimum_feasible_bytes=minimum)
+
+
+def budget_bytes(budget: int | float, *, minimum: int, none: int) -> int:
+    """Bytes a budget allows: an int as given; a fraction f of the way from the smallest feasible
+    partition to "none", ``minimum + f * (none - minimum)``. Being linear in the two ends, a
+    fraction splits exactly over the graphs of one call (dynamo's graph breaks): each graph's
+    share adds up to the same fraction of the whole call, and no graph's share is infeasible."""
+    if isinstance(budget, float):
+        return minimum + int(budget * max(none - minimum, 0))
+    return budget
 
 
 def best_within_budget(

@@ -15,7 +15,7 @@ from sptransform.planner.presets import PRESETS
 @pytest.fixture(scope="module")
 def gpt22b():
     """One rank of GPT 22B (48 layers) at t=8 with SP and selective recompute."""
-    return measure_shape(PRESETS["gpt-22b"], options=RematOptions(policy="selective"), tp=8, sp=True, num_layers=2)
+    return measure_shape(PRESETS["gpt-22b"], options=RematOptions(policy="selective", recompute_fusible=False), tp=8, sp=True, num_layers=2)
 
 
 def test_embedding_is_counted_on_the_first_stage_and_the_head_on_the_last(gpt22b):
@@ -87,7 +87,7 @@ def test_cli_reports_each_pipeline_rank(capsys):
 @pytest.fixture(scope="module")
 def gpt22b_everything():
     """The same rank without recomputation: what a fully stored microbatch keeps."""
-    return measure_shape(PRESETS["gpt-22b"], options=RematOptions(policy="none"), tp=8, sp=True, num_layers=2)
+    return measure_shape(PRESETS["gpt-22b"], options=RematOptions(policy="none", recompute_fusible=False), tp=8, sp=True, num_layers=2)
 
 
 def test_microbatch_level_window_between_recompute_and_none(gpt22b, gpt22b_everything):

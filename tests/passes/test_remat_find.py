@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
+from sptransform.graph.nodes import packet
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -68,7 +70,11 @@ def test_the_backward_needs_the_up_projection_and_views_are_free(analysis):
 def test_policy_none_bans_every_costly_recompute_and_budget_constrains_nothing(analysis):
     none = policy_constraints(analysis, RematOptions(policy="none"))
     assert not none.must_recompute
-    assert {n for n in analysis.forward if n not in analysis.free} <= none.banned
+    assert {aten.gelu, aten.sum} <= {packet(n) for n in analysis.fusible}  # memory-bound: may be recomputed
+    assert {n for n in analysis.forward if n not in analysis.free | analysis.fusible} <= none.banned
+    assert not analysis.fusible & none.banned
+    eager = policy_constraints(analysis, RematOptions(policy="none", recompute_fusible=False))
+    assert {n for n in analysis.forward if n not in analysis.free} <= eager.banned
     budget = policy_constraints(analysis, RematOptions(policy="budget", budget=10**9))
     assert not budget.must_recompute
     assert budget.banned == {n for n in analysis.forward if n.op == "placeholder"}

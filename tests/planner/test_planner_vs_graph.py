@@ -39,7 +39,7 @@ VARIANTS = {
 
 def _options(policy):
     # "full" re-runs the layer's collectives in backward, as the planner (and Megatron) assume
-    return RematOptions(policy=policy, recompute_collectives=policy == "full")
+    return RematOptions(policy=policy, recompute_collectives=policy == "full", recompute_fusible=False)
 
 
 def _planned(shape, *, tp, sp, policy, seq):
