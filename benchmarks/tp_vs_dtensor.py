@@ -23,10 +23,18 @@ counts read from its graph (``sptransform.runtime.explain.collective_counts``) a
     python benchmarks/tp_vs_dtensor.py [--layers 4 --hidden 256 --heads 8 --vocab 8192
         --seq 256 --batch 4 --steps 8 --warmup 2] [--compiled] [--json out.json]
 
-``--compiled`` adds compiled sides without sequence parallelism: ``torch.compile(pm)`` and
-``torch.compile`` of the DTensor-planned model (default inductor backend, both), and
-sptransform's ``recompute="selective"`` with ``compile="inductor"`` and ``"eager"``. Their first
-step (the compile) is a column of its own; their collectives are not counted.
+``--compiled`` adds compiled sides with and without sequence parallelism: ``torch.compile(pm)``
+and ``torch.compile`` of the DTensor-planned model under ``loss_parallel`` (default inductor
+backend, both); ``--compiled-recompute`` sptransform's ``recompute="selective"`` with
+``compile="inductor"`` and ``"eager"``. Their first step (the compile) is a column of its own;
+the dispatch counter does not count their collectives, the profiled step does. Each rank compiles
+into its own inductor cache folder (``rank_cache_dir``): the ranks' graphs differ, and a cache the
+ranks share can serve one rank's compiled graph to the other.
+
+The last table has every side once: step time as median, min and max over the timed steps
+(interleaved with the other sides'; each step's time is its slowest rank's), the ratio to the
+DTensor side of the same sp and mode, and from one profiled step (``StepProfile``) the
+collectives gloo ran, the ``wait_tensor`` and ``aten::fill_`` calls, and the peak memory.
 
 The launcher, the collective counter, the timing loop and the table are shared with
 ``tp_vs_hf_auto.py``, which imports them from here.
@@ -62,7 +70,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run from a checkout without installing sptransform
     sys.path.insert(0, ROOT)
 
-TIMEOUT = datetime.timedelta(seconds=120)
+# The ranks compile their graphs apart (one inductor compile took minutes on a loaded 2-core
+# machine), and every step starts at a barrier: the group's timeout must outlast the slower compile.
+TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("SPTRANSFORM_BENCH_TIMEOUT_S", "1800")))
 
 # ---------------------------------------------------------------------------
 # Launching: one process per rank, results back through a JSON file of rank 0.
@@ -240,23 +250,27 @@ class Trainer:
         self.times: list[float] = []
         self.partial_grads = 0
         self.first_s: float | None = None
+        self.profiled: dict = {}
 
-    def step(self, *, counted: bool, timed: bool) -> None:
+    def step(self, *, counted: bool, timed: bool, profiled: bool = False) -> None:
         counted = counted and self.side.count_collectives
         side, mode = self.side, self.counter if counted else None
         dist.barrier()
         start = time.perf_counter()
-        self.opt.zero_grad(set_to_none=True)
-        with self.comm_debug if counted else contextlib.nullcontext(), mode or contextlib.nullcontext():
-            with side.context():
-                loss = side.loss_fn(side.model)
+        with StepProfile() if profiled else contextlib.nullcontext() as profile:
+            self.opt.zero_grad(set_to_none=True)
+            with self.comm_debug if counted else contextlib.nullcontext(), mode or contextlib.nullcontext():
+                with side.context():
+                    loss = side.loss_fn(side.model)
+                    if mode is not None:
+                        mode.phase = "backward"
+                    loss.backward()
                 if mode is not None:
-                    mode.phase = "backward"
-                loss.backward()
-            if mode is not None:
-                mode.phase = "optimizer"
-                self.partial_grads = partial_grad_count(side.model)
-            self.opt.step()
+                    mode.phase = "optimizer"
+                    self.partial_grads = partial_grad_count(side.model)
+                self.opt.step()
+        if profile is not None:
+            self.profiled = profile.counts
         self.losses.append(scalar(loss))
         if self.first_s is None:  # with torch.compile: the compile
             self.first_s = time.perf_counter() - start
@@ -264,15 +278,19 @@ class Trainer:
             self.times.append(time.perf_counter() - start)
 
     def result(self) -> dict:
-        # rank 0 reports the slowest rank's median: a step is as slow as its slowest rank
-        median = torch.tensor([statistics.median(self.times)], dtype=torch.float64)
-        dist.all_reduce(median, op=dist.ReduceOp.MAX)
+        # a step is as slow as its slowest rank: each step's time is the maximum over the ranks
+        slowest = torch.tensor(self.times, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        times = slowest.tolist()
         return {
             "side": self.side.name,
             "first_loss": self.losses[0],
             "last_loss": self.losses[-1],
-            "step_s": float(median),
-            "step_s_all": self.times,
+            "step_s": statistics.median(times),
+            "step_s_min": min(times),
+            "step_s_max": max(times),
+            "step_s_all": times,
+            "profiled": self.profiled,
             "collectives": self.counter.summary(),
             "comm_debug_mode_total": self.comm_debug.get_total_counts(),
             "partial_grads": self.partial_grads,
@@ -280,6 +298,39 @@ class Trainer:
             "note": self.side.note,
             **self.side.extra,
         }
+
+
+class StepProfile:
+    """One step under ``torch.profiler`` (CPU ops and memory), reduced to counts every side has
+    alike, compiled or not: collectives the gloo backend ran, ``wait_tensor`` calls, ``aten::fill_``
+    calls, and the peak of memory allocated during the step above what was allocated at its start
+    (a running sum, in time order, of the net allocation of each top-level op and of the frees
+    the profiler records outside any op)."""
+
+    def __enter__(self):
+        from torch.profiler import ProfilerActivity, profile
+
+        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._profile.__exit__(*exc)
+        events = list(self._profile.events())
+        names = [e.name for e in events]
+        # top-level ops (their memory counts their children's) and frees outside any op
+        memory = sorted((e.time_range.start, e.cpu_memory_usage) for e in events if e.cpu_parent is None)
+        live = peak = 0
+        for _, change in memory:
+            live += change
+            peak = max(peak, live)
+        self.counts = {
+            "collectives": sum(1 for n in names if n.startswith("gloo:")),
+            "waits": sum(1 for n in names if n.endswith("::wait_tensor")),
+            "fills": names.count("aten::fill_"),
+            "peak_mib": peak / 2**20,
+        }
+        return False
 
 
 def partial_grad_count(model: nn.Module) -> int:
@@ -298,11 +349,13 @@ def _error(err: Exception) -> str:
     return f"{type(err).__name__}: {first}"
 
 
-def run_sides(makers: list[Callable[[], Side]], *, steps: int, warmup: int, lr: float) -> list[dict]:
+def run_sides(makers: list[Callable[[], Side]], *, steps: int, warmup: int, lr: float,
+              profile: bool = False) -> list[dict]:
     """Build every side, then train them round-robin (step i of every side, then step i+1),
     so that load from elsewhere on the machine falls on all sides alike. Steps: ``warmup``
     untimed, one counted (untimed), ``steps`` timed. A side that fails (the same way on
-    every rank) becomes a row with its reason and leaves the rotation."""
+    every rank) becomes a row with its reason and leaves the rotation. With ``profile`` the
+    counted step is also profiled (``StepProfile``)."""
     rows: list[dict | Trainer] = []
     for make in makers:
         name = getattr(make, "side_name", make.__name__)
@@ -319,7 +372,7 @@ def run_sides(makers: list[Callable[[], Side]], *, steps: int, warmup: int, lr: 
         for k, row in enumerate(rows):
             if isinstance(row, Trainer):
                 try:
-                    row.step(counted=i == warmup, timed=i > warmup)
+                    row.step(counted=i == warmup, timed=i > warmup, profiled=profile and i == warmup)
                 except Exception as err:
                     rows[k] = {"side": row.side.name, "error": _error(err)}
     results = []
@@ -434,6 +487,40 @@ def results_table(results: list[dict]) -> str:
             r["side"], f"{r['first_loss']:.6f}", f"{r['last_loss']:.6f}", f"{r['step_s']:.3f}",
             phases, str(c["total"]["count"]), f"{c['total']['bytes'] / 2**20:.2f}", f"{r['setup_s']:.1f}",
             f"{r['first_step_s']:.1f}",
+        ])
+    return render_table(rows, header)
+
+
+def anchor_of(side: str) -> str | None:
+    """The DTensor side an sptransform side is compared with: same sp, same mode (eager or
+    ``torch.compile``); ``None`` for the anchors themselves and sides without a twin."""
+    if not side.startswith("sptransform "):
+        return None
+    sp = "sp=True" if "sp=True" in side else "sp=False"
+    compiled = "torch.compile" in side or "compile=" in side
+    return f"DTensor {sp}" + (" torch.compile" if compiled else "")
+
+
+def summary_table(results: list[dict], reference: float) -> str:
+    """Every side in one table: losses, step time (median, min, max over the timed steps), ratio
+    to its DTensor anchor (median over median; lower is better), and per step the collectives,
+    waits, ``aten::fill_`` calls and peak memory of the profiled step."""
+    by = {r["side"]: r for r in results}
+    header = ["side", "first loss", "last loss", "median s", "min s", "max s", "/ anchor", "collectives", "waits",
+              "fill_", "peak MiB"]
+    rows = [[f"(single device: first loss {reference:.6f})", *["" for _ in header[1:]]]]
+    for r in results:
+        if "error" in r:
+            rows.append([r["side"], "failed", *["-" for _ in header[2:]]])
+            continue
+        anchor = by.get(anchor_of(r["side"]) or "")
+        ratio = f"{r['step_s'] / anchor['step_s']:.2f}" if anchor and "error" not in anchor else "-"
+        p = r.get("profiled") or {}
+        rows.append([
+            r["side"], f"{r['first_loss']:.6f}", f"{r['last_loss']:.6f}", f"{r['step_s']:.3f}",
+            f"{r['step_s_min']:.3f}", f"{r['step_s_max']:.3f}", ratio,
+            *(str(p.get(k, "-")) for k in ("collectives", "waits", "fills")),
+            f"{p['peak_mib']:.1f}" if "peak_mib" in p else "-",
         ])
     return render_table(rows, header)
 
@@ -680,29 +767,29 @@ def dtensor_worker(args: argparse.Namespace) -> dict:
         make.side_name = f"DTensor sp={sp}"
         return make
 
-    def ours_compiled(how: str):
-        """sp=False, compiled: ``torch.compile(pm)`` (default inductor backend) or
+    def ours_compiled(how: str, sp: bool = False):
+        """Compiled: ``torch.compile(pm)`` (default inductor backend) or, sp=False,
         ``recompute="selective"`` with the partitioned graphs compiled by ``compile=how``."""
-        name = "sptransform sp=False torch.compile(pm)" if how == "torch.compile" else \
-            f'sptransform sp=False recompute=selective compile="{how}"'
+        name = f"sptransform sp={sp} torch.compile(pm)" if how == "torch.compile" else \
+            f'sptransform sp={sp} recompute=selective compile="{how}"'
 
         def make() -> Side:
             inputs = {"input_ids": ids, "labels": labels, "use_cache": False}
             if how == "torch.compile":
-                pm = sptransform.parallelize(copy.deepcopy(base), tp=args.tp, example_inputs=inputs)
+                pm = sptransform.parallelize(copy.deepcopy(base), tp=args.tp, sp=sp, example_inputs=inputs)
                 compiled = torch.compile(pm)
                 return Side(name, pm, lambda m: hf_loss(compiled), note="unmodified HF GPT-2", count_collectives=False)
-            pm = sptransform.parallelize(copy.deepcopy(base), tp=args.tp, example_inputs=inputs,
+            pm = sptransform.parallelize(copy.deepcopy(base), tp=args.tp, sp=sp, example_inputs=inputs,
                                          recompute="selective", compile=how)
             return Side(name, pm, hf_loss, note="unmodified HF GPT-2", count_collectives=False)
         make.side_name = name
         return make
 
-    def theirs_compiled():
-        name = "DTensor sp=False torch.compile"
+    def theirs_compiled(sp: bool = False):
+        name = f"DTensor sp={sp} torch.compile"
 
         def make() -> Side:
-            model = dtensor_gpt2(copy.deepcopy(edited), args.tp, False)
+            model = dtensor_gpt2(copy.deepcopy(edited), args.tp, sp)
             compiled = torch.compile(model)
             return Side(name, model, lambda m: hf_loss(compiled), context=loss_parallel,
                         note="Conv1D->nn.Linear, c_attn->q/k/v, attn.split_size=hidden/tp", count_collectives=False,
@@ -712,16 +799,27 @@ def dtensor_worker(args: argparse.Namespace) -> dict:
 
     makers = [ours(True), ours(True, check_inputs=False), theirs(True), ours(False), theirs(False)]
     if args.compiled:
-        makers += [ours_compiled("torch.compile"), theirs_compiled(), ours_compiled("inductor"), ours_compiled("eager")]
-    results = run_sides(makers, steps=args.steps, warmup=args.warmup, lr=args.lr)
+        makers += [ours_compiled("torch.compile", sp=True), theirs_compiled(sp=True),
+                   ours_compiled("torch.compile"), theirs_compiled()]
+    if args.compiled_recompute:
+        makers += [ours_compiled("inductor"), ours_compiled("eager")]
+    if args.sides:
+        makers = [m for m in makers if any(word in m.side_name for word in args.sides)]
+    results = run_sides(makers, steps=args.steps, warmup=args.warmup, lr=args.lr, profile=args.profile)
     return {"config": vars(args), "single_device_loss": reference, "results": results}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     parser.add_argument("--compiled", action="store_true",
-                        help="also the compiled sides (sp=False): torch.compile(pm), torch.compile of the DTensor "
-                             "plan, and recompute='selective' with compile='inductor' and 'eager'")
+                        help="also the compiled sides, sp=True and sp=False: torch.compile(pm) and torch.compile of "
+                             "the DTensor plan (default inductor backend)")
+    parser.add_argument("--compiled-recompute", action="store_true",
+                        help="also recompute='selective' with compile='inductor' and 'eager' (sp=False)")
+    parser.add_argument("--sides", nargs="+", metavar="WORD",
+                        help="only the sides whose name contains one of these words (e.g. torch.compile)")
+    parser.add_argument("--no-profile", dest="profile", action="store_false",
+                        help="skip the profiled step (collectives, waits, fill_ and peak memory per step)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     result = launch(dtensor_worker, args)
@@ -731,7 +829,8 @@ def main(argv: list[str] | None = None) -> int:
         f"single-device first loss: {ref['original']:.6f} (HF GPT-2 as is), {ref['linear_edit']:.6f} "
         "(Conv1D->Linear edit the DTensor side needs)",
         *ratio_lines(result["results"], [("sptransform sp=True", "DTensor sp=True"), ("sptransform sp=False", "DTensor sp=False")]
-                     + ([("sptransform sp=False torch.compile(pm)", "DTensor sp=False torch.compile")] if args.compiled else [])),
+                     + ([(f"sptransform sp={sp} torch.compile(pm)", f"DTensor sp={sp} torch.compile")
+                          for sp in (True, False)] if args.compiled else [])),
         *input_check_lines(result["results"]),
         "gradient sync of replicated params:",
         *("  " + l for l in grad_sync_lines(result["results"])),
@@ -741,6 +840,9 @@ def main(argv: list[str] | None = None) -> int:
         f"total {time.perf_counter() - start:.0f}s",
     ]
     a = args
+    if args.profile:
+        lines += ["", "one table (each step's time is the slowest rank's; per step: from one profiled step of rank 0):",
+                  summary_table(result["results"], ref["original"])]
     finish(args, f"HF GPT-2, {a.layers} layers, hidden {a.hidden}, {a.heads} heads, vocab {a.vocab}, seq {a.seq}, "
                  f"batch {a.batch}, tp={a.tp} on CPU/gloo, {a.threads} thread(s)/rank, AdamW, median of {a.steps} steps",
            result, lines)

@@ -376,11 +376,39 @@ def _to_rank_order(gm: fx.GraphModule, node: fx.Node, spec: DimShard, plan: Para
     order = _rank_order(spec, plan.tp)
     if order == list(range(size)):
         return node
+    by_view = _swap_segments(gm, node, spec, (len(spec.segments), plan.tp), at)
+    if by_view is not None:
+        return by_view
     table = _register(gm, order, at)
     with gm.graph.inserting_after(table):
         ordered = gm.graph.call_function(aten.index_select.default, (node, spec.dim, table))
     ordered.meta["val"] = node.meta.get("val")
     return ordered
+
+
+def _swap_segments(gm: fx.GraphModule, node: fx.Node, spec: DimShard, outer: tuple[int, int],
+                   after: fx.Node) -> fx.Node | None:
+    """Global order to rank order (``outer`` = (segments, tp)) or back (``outer`` = (tp,
+    segments)) as ``flatten(transpose(unflatten(x, dim, (*outer, part)), dim, dim + 1))``, when the
+    segments are equal and tile the dim (tokens merged with the batch, a fused ``[q|k|v]``);
+    ``None`` otherwise (the caller permutes through an index). A transpose's backward is a
+    transpose; ``index_select``'s is ``index_put`` into a zero-filled buffer, one ``fill`` per
+    reorder and step (measured: 16 per step in a 4-layer GPT-2 with ``sp=True``, tp=2)."""
+    lengths = {length for _, length in spec.segments}
+    if len(lengths) != 1 or [start for start, _ in spec.segments] != [k * min(lengths) for k in range(len(spec.segments))]:
+        return None
+    part = min(lengths) // (outer[0] * outer[1] // len(spec.segments))
+    dim, x = spec.dim, node
+    steps = ((aten.unflatten.int, (dim, [*outer, part])), (aten.transpose.int, (dim, dim + 1)),
+             (aten.flatten.using_ints, (dim, dim + 2)))
+    for target, rest in steps:
+        with gm.graph.inserting_after(after):
+            new = gm.graph.call_function(target, (x, *rest))
+        value = x.meta.get("val")
+        if value is not None:
+            new.meta["val"] = target(value, *rest)
+        x = after = new
+    return x
 
 
 def _gather(gm: fx.GraphModule, node: fx.Node, spec: DimShard, backward: str, plan: ParallelPlan, at: fx.Node) -> fx.Node:
@@ -396,6 +424,9 @@ def _gather(gm: fx.GraphModule, node: fx.Node, spec: DimShard, backward: str, pl
     order = _rank_order(spec, plan.tp)
     if order == list(range(size)):
         return gathered
+    by_view = _swap_segments(gm, gathered, spec, (plan.tp, len(spec.segments)), gathered)
+    if by_view is not None:
+        return by_view
     position = {index: i for i, index in enumerate(order)}
     table = _register(gm, [position[i] for i in range(size)], gathered)
     with graph.inserting_after(table):

@@ -44,8 +44,17 @@ def _resolve(group: str) -> torch.distributed.ProcessGroup:
     return resolve_process_group(group)
 
 
-def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
-    return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
+def _all_reduce(x: torch.Tensor, group: str, op: str = "sum") -> torch.Tensor:
+    return _waited(funcol.all_reduce(x.contiguous(), op, group))
+
+
+def _waited(out: torch.Tensor) -> torch.Tensor:
+    """A functional collective's result, waited on once. Eagerly it is torch's
+    ``AsyncCollectiveTensor``, waited here; traced (``torch.compile``, AOTAutograd) funcol has
+    already put the ``wait_tensor`` node after the collective, and a second one would be a second
+    wait per collective in every compiled graph (measured: 24 waits for 12 all-reduces in the
+    forward of a 4-layer GPT-2, tp=2)."""
+    return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
 
 
 def _all_reduce_later(x: torch.Tensor, group: str, naming=None) -> torch.Tensor:
@@ -115,13 +124,11 @@ def _unflatten(flat: torch.Tensor, shapes) -> list[torch.Tensor]:
 
 
 def _all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
-    out = funcol.all_gather_single(x.contiguous(), dim, group)
-    return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
+    return _waited(funcol.all_gather_single(x.contiguous(), dim, group))
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
-    out = funcol.reduce_scatter_single(x.contiguous(), "sum", dim, group)
-    return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
+    return _waited(funcol.reduce_scatter_single(x.contiguous(), "sum", dim, group))
 
 
 def _reduce_scatter_later(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from sptransform.runtime.collectives import _all_reduce
 from sptransform.runtime.rng import RankGenerators  # noqa: F401  (re-exported)
-from sptransform.torch_internals import funcol, tensor_map
+from sptransform.torch_internals import tensor_map
 
 
 def take_local(x: torch.Tensor, dim: int, table: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
@@ -91,7 +91,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         columns = torch.arange(n_classes, device=logits.device) + rank * per_rank
         logits = logits.masked_fill(columns >= vocab, float("-inf"))
         row_max = logits.detach().amax(dim=-1, keepdim=True)
-        row_max = funcol.wait_tensor(funcol.all_reduce(row_max.contiguous(), "max", group))
+        row_max = _all_reduce(row_max, group, "max")
         shifted = logits - row_max
         exp = shifted.exp()
         total = _all_reduce(exp.sum(dim=-1), group)
