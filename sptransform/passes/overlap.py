@@ -43,10 +43,11 @@ from fractions import Fraction
 import torch
 import torch.fx as fx
 
+from sptransform.logs import logger
 from sptransform.torch_internals import op_schema
 from sptransform.torch_internals import OpOverload
 
-log = logging.getLogger(__name__)
+log = logger(__name__)
 
 _functional = torch.ops._c10d_functional
 WAIT = _functional.wait_tensor.default

@@ -56,7 +56,6 @@ required forward nodes (so a backward graph's recomputed ops can be found and co
 from __future__ import annotations
 
 import contextlib
-import logging
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -64,6 +63,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from sptransform.logs import logger
 from sptransform.options import REMAT_POLICIES as POLICIES  # noqa: F401  (re-exported)
 from sptransform.options import RematOptions, RematPolicy  # noqa: F401  (re-exported)
 from sptransform.capture import views_as_reshapes
@@ -82,7 +82,7 @@ from sptransform.passes.remat_rng import (
     _keeps_when_dead,
 )
 
-log = logging.getLogger(__name__)
+log = logger(__name__)
 aten = torch.ops.aten
 
 

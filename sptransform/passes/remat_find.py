@@ -10,7 +10,6 @@ solves the s-t min cut those constraints leave; ``plan_remat`` picks the cut for
 
 from __future__ import annotations
 
-import logging
 import math
 import operator
 from dataclasses import dataclass, field, replace
@@ -21,6 +20,7 @@ import torch
 import torch.fx as fx
 from networkx.algorithms.flow import boykov_kolmogorov
 
+from sptransform.logs import logger
 from sptransform.options import REMAT_POLICIES as POLICIES  # noqa: F401  (re-exported)
 from sptransform.options import RematOptions, RematPolicy  # noqa: F401  (re-exported)
 from sptransform.graph.cost import Cost, node_cost
@@ -39,7 +39,7 @@ from sptransform.graph.nodes import (
     val,
 )
 
-log = logging.getLogger(__name__)
+log = logger(__name__)
 aten = torch.ops.aten
 
 _MAX_HULL_SOLVES = 400

@@ -24,19 +24,19 @@ rewrites one match. Edits ``gm`` in place; the new node carries the loss's ``val
 
 from __future__ import annotations
 
-import logging
 import operator
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
+from sptransform.logs import logger
 from sptransform.graph.nodes import packet
 from sptransform.runtime.ops import vocab_parallel_cross_entropy
 from sptransform.runtime.tokens import weight_by_tokens
 
 aten = torch.ops.aten
-log = logging.getLogger(__name__)
+log = logger(__name__)
 
 MEAN = 1
 """ATen's ``Reduction::Mean``."""
