@@ -50,6 +50,7 @@ import torch.fx as fx
 from sptransform.capture import CapturedGraph, FakeTemplate, capture
 from sptransform.logs import logger
 from sptransform.graph.analysis import ModelAnalysis, analyze, constant_nodes, parameter_placements
+from sptransform.graph.lookups import constant_lookup_problems
 from sptransform.graph.gradients import GradientPlan, gradient_plan
 from sptransform.graph.plan import ParallelGraph, ParallelPlan, ParamPlacement
 from sptransform.graph.propagate import Propagation, SequenceSplit, propagate
@@ -287,6 +288,12 @@ def build_parallel_graph(
     with maybe_disable_local_tensor_mode():  # tracing sees one rank, never simulated ones
         captured = capture(template, args, kwargs)
     captured_s = time.perf_counter() - start
+    problems = constant_lookup_problems(captured.gm, dict(zip(captured.state_placeholders, captured.state_names)))
+    if problems:  # one device raises IndexError('index out of range in self') inside the model
+        raise IndexError(
+            "these inputs make the model index past the end of a table: " + "; ".join(problems) + ". On one "
+            "device the model raises IndexError('index out of range in self') here; pass shorter inputs "
+            "(a sequence no longer than the table's rows)")
     log.info("captured %s: %d graph nodes, %d parameters and buffers, in %.1f s", type(template.module).__name__,
              len(captured.gm.graph.nodes), len(captured.state_names), captured_s)
     build = Build(captured, options, group, dp_group, generators, overlap=options.overlaps_buckets(device_type))

@@ -18,6 +18,7 @@ LAYERS = [
     ("sptransform.verify_ranks", 8),
     ("sptransform.measure", 7),
     ("sptransform.api", 7),
+    ("sptransform.generation", 7),
     ("sptransform.transform", 6),
     ("sptransform.pipeline", 5),
     ("sptransform.passes", 4),
@@ -28,6 +29,7 @@ LAYERS = [
     ("sptransform.options", 0),
     ("sptransform.copying", 0),
     ("sptransform.torch_internals", 0),
+    ("sptransform.logs", 0),
 ]
 
 

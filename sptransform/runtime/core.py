@@ -97,8 +97,10 @@ class ModuleCore(nn.Module):
         self._data_parallel = None  # the graph's data-parallel plan (ZeRO-3 dims), set with the placements
         self._unloaded: set[str] = set()  # built on meta, not yet loaded (runtime.params)
         # With data parallelism and check_inputs, the replicas meet at every call (runtime.faults).
-        self._replicas = ReplicaCheck(param_mesh["dp"].get_group(), options.peer_timeout_s) \
-            if param_mesh is not None and options.check_inputs else None
+        # A fake process group (tracing one rank of a large job) has no peers and no store to meet in.
+        dp_group = param_mesh["dp"].get_group() if param_mesh is not None else None
+        self._replicas = ReplicaCheck(dp_group, options.peer_timeout_s) \
+            if dp_group is not None and options.check_inputs and dist.get_backend(dp_group) != "fake" else None
 
     # -- the original's state, mirrored -----------------------------------------
 
