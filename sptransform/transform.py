@@ -287,8 +287,9 @@ def build_parallel_graph(
     start = time.perf_counter()
     with maybe_disable_local_tensor_mode():  # tracing sees one rank, never simulated ones
         captured = capture(template, args, kwargs)
+        # evaluated as plain tensors of one rank, too
+        problems = constant_lookup_problems(captured.gm, dict(zip(captured.state_placeholders, captured.state_names)))
     captured_s = time.perf_counter() - start
-    problems = constant_lookup_problems(captured.gm, dict(zip(captured.state_placeholders, captured.state_names)))
     if problems:  # one device raises IndexError('index out of range in self') inside the model
         raise IndexError(
             "these inputs make the model index past the end of a table: " + "; ".join(problems) + ". On one "
