@@ -12,7 +12,8 @@ fake parameters), then runs ``PASSES`` top to bottom (``build_parallel_graph``):
     gradient_reductions                      graph.gradients         where gradients arrive partial
     tensor_parallel                          passes.tensor_parallel  local shapes, collectives, f, buckets
     dropout                                  passes.dropout          rank-aware masks
-    data_parallel                            passes.data_parallel    dp > 1: gradient averaging / ZeRO-3 gathers
+    analyse_layers                           graph.analysis          tp = 1, dp > 1: layers, head, loss (reads only)
+    data_parallel                            passes.data_parallel    dp > 1: gradient averaging / ZeRO gathers
     token_weighting                          passes.token_weighting  dp > 1, dp_loss="tokens": token-mean losses
                                                                      weighted by each replica's token count
 
@@ -93,6 +94,8 @@ class Build:
     overlap: bool
     """Whether gradient buckets stay in flight (``ParallelOptions.overlaps_buckets``)."""
     analysis: ModelAnalysis | None = None
+    single_device_analysis: ModelAnalysis | None = None
+    """At tp=1 with dp > 1: the captured graph's analysis, for its layers (``build_parallel_graph``)."""
     placements: dict[str, ParamPlacement] | None = None
     plan: ParallelPlan | None = None
     params: dict[fx.Node, str] | None = None
@@ -105,7 +108,8 @@ class Build:
 
     def layer_rows(self) -> list[tuple[fx.Node, int]]:
         """(row-parallel linear, its layer) of every region: the gradient buckets' layers."""
-        return [(r.row.node, r.layer) for r in self.analysis.regions] if self.analysis is not None else []
+        analysis = self.analysis if self.analysis is not None else self.single_device_analysis
+        return [(r.row.node, r.layer) for r in analysis.regions] if analysis is not None else []
 
 
 def _tensor_parallel(build: Build) -> bool:
@@ -118,6 +122,21 @@ def _data_parallel(build: Build) -> bool:
 
 def _token_weighted(build: Build) -> bool:
     return build.options.dp > 1 and build.options.dp_loss == "tokens"
+
+
+def _data_parallel_alone(build: Build) -> bool:
+    return build.options.tp == 1 and build.options.dp > 1
+
+
+def _analyse_layers(gm: fx.GraphModule, build: Build) -> PassResult:
+    """At tp=1 no pass analyses the graph, and the data-parallel pass puts its buckets between the
+    parameters and the linears reading them, where the analysis no longer finds a parameter
+    operand (hence no head and no loss): analyse the graph before it (the passes edit its nodes in
+    place, so what it finds stays in the graph) for what later reads the loss output (pipeline
+    stages, microbatched steps), and for the layers the data-parallel buckets follow (a bucket
+    by size could straddle two pipeline stages). Reads the graph only."""
+    build.single_device_analysis = analyze(build.captured, 1)
+    return PassResult(gm, False)
 
 
 def _changed(gm: fx.GraphModule, count: int) -> PassResult:
@@ -270,6 +289,7 @@ PASSES: list[Pass] = [
     Pass("tensor_parallel", _apply_placements, requires=("analysis", "propagation", "gradients", "plan", "params"),
          adds=("sptransform_spec",), enabled=_tensor_parallel),
     Pass("dropout", _dropout, requires=("plan", "sptransform_spec", "val"), enabled=_tensor_parallel),
+    Pass("analyse_layers", _analyse_layers, adds=("single_device_analysis",), enabled=_data_parallel_alone),
     Pass("data_parallel", _add_data_parallel, requires=("val",), adds=("data_parallel",), enabled=_data_parallel),
     Pass("token_weighting", lambda gm, b: _changed(gm, _weight_tokens(gm, b)), requires=("val",),
          enabled=_token_weighted),
@@ -299,7 +319,7 @@ def build_parallel_graph(
              len(captured.gm.graph.nodes), len(captured.state_names), captured_s)
     build = Build(captured, options, group, dp_group, generators, overlap=options.overlaps_buckets(device_type))
     captured.gm = run_passes(PASSES, captured.gm, build)
-    graph = ParallelGraph(captured, build.analysis, build.plan)
+    graph = ParallelGraph(captured, build.analysis, build.plan, _single_device_analysis=build.single_device_analysis)
     graph.data_parallel = build.data_parallel
     log.info("transformed for tp=%d sp=%s dp=%d: %s; collectives per step: %s; in %.1f s", options.tp, options.sp,
              options.dp, _linears_split(build.plan), _collectives(captured.gm) or "none",

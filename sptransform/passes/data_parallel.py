@@ -14,8 +14,8 @@ a parameter again for backward instead of keeping it (``runtime.zero``).
 
 Parameters are bucketed by layer, as the tensor-parallel gradient buckets are (the layer of
 the first row-parallel linear after a parameter's first use; the last bucket holds what comes
-after the last one), or, without layers (``tp=1``), in first-use order into buckets of about
-``BUCKET_BYTES``; each bucket is inserted just before its first reader: ZeRO gathers a
+after the last one; at ``tp=1`` the layers of the captured graph's analysis), or, where the
+analysis finds no layers, in first-use order into buckets of about ``BUCKET_BYTES``; each bucket is inserted just before its first reader: ZeRO gathers a
 layer's parameters when that layer starts. With ZeRO a parameter with no dim to split
 evenly over the data-parallel ranks (``DataParallelPlan.dims[name] is None``) stays whole and
 has its gradient averaged instead.

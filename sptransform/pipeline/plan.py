@@ -90,9 +90,10 @@ def plan_pipeline(graph: ParallelGraph, template: FakeTemplate, args: tuple, kwa
 
 
 def _layer_costs(graph: ParallelGraph, flow: GraphFlow, boundaries, num_layers, template, args, kwargs):
-    """Costs measured on the single-device graph (the one split when tp=1, else a fresh capture)."""
+    """Costs measured on the single-device graph (the one split when no pass rewrote it: tp=1 and
+    dp=1; else a fresh capture, since the passes' collectives run on pieces of the parameters)."""
     flat = pytree.tree_leaves((tuple(args), dict(kwargs)))
-    if graph.plan is None:
+    if graph.plan is None and graph.data_parallel is None:
         return measure_layer_costs(flow, boundaries, num_layers, flat)
     with maybe_disable_local_tensor_mode():
         single = capture(template, args, kwargs)

@@ -244,5 +244,7 @@ def test_dp_times_pp_times_tp_on_eight_ranks():
     _run(8, cases)
 
 
-def test_data_parallel_alone_with_zero_3():
-    _run(4, [dict(kind="llama", dp=4, tp=1, pp=1, zero=3)])
+def test_data_parallel_alone_with_zero_3_and_with_pipeline_stages():
+    # dp x pp at tp=1: the data-parallel buckets sit between the parameters and the linears, and
+    # the stages still find the loss output (they did not: "this forward returns none")
+    _run(4, [dict(kind="llama", dp=4, tp=1, pp=1, zero=3), dict(kind="gpt2", dp=2, tp=1, pp=2, zero=1)])
