@@ -43,6 +43,7 @@ import torch.nn as nn
 
 from sptransform.api import normalize_example_inputs
 from sptransform.copying import faithful_deepcopy
+from sptransform.logs import phases
 from sptransform.options import check_graph_compiler, check_recompute
 from sptransform.runtime.params import call_defaults
 from sptransform.torch_internals import local_tensor_mode, quiet_fake_tensor_meta_failures
@@ -278,8 +279,10 @@ def verify(
             "which partitions and compiles the graphs, cannot trace LocalTensorMode's simulated ranks): pass "
             "processes=None or True, or recompute='none'"
         )
-    with torch.random.fork_rng(devices=[]), quiet_fake_tensor_meta_failures():
+    with torch.random.fork_rng(devices=[]), quiet_fake_tensor_meta_failures(), \
+            phases(("single device", "parallel ranks", "comparison"), desc="verify") as begin:
         torch.manual_seed(SEED)
+        begin("single device")
         args, kwargs, notes = _inputs(model, example_inputs, tp, dp)
         fields = dict(tp=tp, sp=sp, pp=pp, dp=dp, steps=steps, rtol=rtol, recompute=recompute, compile=compile)
         if pp > 1 and model.training:
@@ -287,6 +290,7 @@ def verify(
             notes.append("pp > 1: pipeline ranks draw dropout masks per microbatch and per process, which no "
                          "single-device run reproduces: compared in eval() mode (dropout off)")
         ref, loss_name = run_reference(model, args, kwargs, steps, dp=dp)
+        begin("parallel ranks")
         case = ParallelCase(model, args, kwargs, tp=tp, sp=sp, pp=pp, dp=dp, steps=steps, loss=loss_name,
                             n_microbatches=_microbatches(args, kwargs, pp, dp), recompute=recompute,
                             compile=compile)
@@ -308,6 +312,7 @@ def verify(
             loss_name += " (the pipeline's step() loss)"
         notes.append(f"back-propagated: {loss_name}; optimizer: SGD lr={LR:g}")
         notes.extend(run.record.plan_notes)
+        begin("comparison")
         rows = _compare(ref, run.record, steps=steps, rtol=rtol, param_names=list(ref.params), group=pp * tp)
         # a parameter some rank holds but no rank reported is a missing value: inf (from _compare)
         return _report(rows, error=run.error, notes=notes, linears=run.record.linears,

@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from contextlib import contextmanager
-from typing import Iterable, Iterator, TypeVar
+from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 
 import torch.distributed as dist
 
@@ -56,13 +56,43 @@ def timed() -> Iterator[list[float]]:
         out[0] = time.perf_counter() - start
 
 
-def progress(items: Iterable[T], *, desc: str, total: int | None = None) -> Iterable[T]:
-    """``items`` with a tqdm progress bar on rank 0 when tqdm is installed and stderr is a
-    terminal; ``items`` itself otherwise."""
+def _tqdm():
+    """tqdm's class on rank 0 when it is installed; None otherwise."""
     if _rank() != 0:
-        return items
+        return None
     try:
         from tqdm.auto import tqdm
     except ImportError:
+        return None
+    return tqdm
+
+
+def progress(items: Iterable[T], *, desc: str, total: int | None = None) -> Iterable[T]:
+    """``items`` with a tqdm progress bar on rank 0 when tqdm is installed and stderr is a
+    terminal; ``items`` itself otherwise."""
+    tqdm = _tqdm()
+    if tqdm is None:
         return items
     return tqdm(items, desc=desc, total=total, disable=None, leave=False)
+
+
+@contextmanager
+def phases(names: Sequence[str], *, desc: str) -> Iterator[Callable[[str], None]]:
+    """A progress bar over named phases of one piece of work (shown as ``progress`` shows its bar):
+    ``with phases(("reference", "parallel"), desc="verify") as begin: begin("reference"); ...``;
+    each ``begin(name)`` counts the phases before it done and shows the name of the one starting."""
+    tqdm = _tqdm()
+    bar = None if tqdm is None else tqdm(total=len(names), desc=desc, disable=None, leave=False)
+
+    def begin(name: str) -> None:
+        if bar is not None:
+            bar.update(names.index(name) - bar.n)
+            bar.set_postfix_str(name)
+
+    try:
+        yield begin
+        if bar is not None:
+            bar.update(len(names) - bar.n)
+    finally:
+        if bar is not None:
+            bar.close()

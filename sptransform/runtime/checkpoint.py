@@ -59,10 +59,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from sptransform.logs import logger
+from sptransform.logs import logger, progress
 from sptransform.torch_internals import StridedShard, dtensor_as, plain_dtensor
 
 log = logger(__name__)
+
+LOAD_PIECE = 64
+"""Tensors per ``dcp.load`` call of ``load_hf_weights`` (one step of its progress bar)."""
 
 
 # -- the boxes a rank's local tensor holds ---------------------------------------------------
@@ -387,7 +390,14 @@ def load_hf_weights(module: nn.Module, path: str | os.PathLike, *,
     to_load = {key: value for key, (_, value) in wanted.items()}
     distributed = dist.is_available() and dist.is_initialized()
     start = time.perf_counter()
-    dcp.load(to_load, storage_reader=reader, no_dist=not distributed)
+    # in pieces, for a progress bar on a checkpoint of many tensors (each piece is one collective
+    # dcp.load of the same keys on every rank: the keys are sorted)
+    keys = sorted(to_load)
+    pieces = [keys[i:i + LOAD_PIECE] for i in range(0, len(keys), LOAD_PIECE)]
+    for piece in progress(pieces, desc="load_hf_weights"):
+        part = {key: to_load[key] for key in piece}
+        dcp.load(part, storage_reader=reader, no_dist=not distributed)
+        to_load.update(part)  # what DCP replaced rather than filled
     log.info("load_hf_weights: %d tensors from %s in %.1f s", len(to_load), path, time.perf_counter() - start)
     # DCP wrote into the tensors' storage; load_state_dict keeps the module's own bookkeeping honest
     # (and copies anything DCP had to replace rather than fill).

@@ -32,6 +32,7 @@ from sptransform.runtime.checks import (
     check_call, fingerprint, gather_fingerprints, leaf_names, raise_if_disagree, stable_hash,
 )
 from sptransform.runtime.faults import ReplicaCheck
+from sptransform.runtime.generate import original_class_error
 from sptransform.torch_internals import non_persistent_buffer_names
 from sptransform.runtime.params import (
     call_defaults, device_of, placeholder, placement_of, set_by_path, shard_parameter, unloaded_error,
@@ -90,6 +91,7 @@ class ModuleCore(nn.Module):
         self._tp_mesh = tp_mesh
         self._param_mesh = param_mesh
         self._device = device_of(model)
+        self._original_class = type(model)
         self._call_defaults = call_defaults(model)
         self._mode_names = [name for name, _ in model.named_modules()]
         self._mode_modules = mirror_modules(self, model)
@@ -101,6 +103,16 @@ class ModuleCore(nn.Module):
         dp_group = param_mesh["dp"].get_group() if param_mesh is not None else None
         self._replicas = ReplicaCheck(dp_group, options.peer_timeout_s) \
             if dp_group is not None and options.check_inputs and dist.get_backend(dp_group) != "fake" else None
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            original = self.__dict__.get("_original_class")
+            error = None if original is None else original_class_error(original, type(self).__name__, name)
+            if error is None:
+                raise
+            raise error from None
 
     # -- the original's state, mirrored -----------------------------------------
 

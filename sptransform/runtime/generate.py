@@ -51,6 +51,38 @@ Agree = Callable[[torch.Tensor], torch.Tensor]
 """Makes every tensor-parallel rank hold rank 0's tokens (the identity on one device)."""
 
 
+class OriginalClassMethodError(AttributeError, TypeError):
+    """An HF ``GenerationMixin`` attribute asked of a parallel module: ``GPT2LMHeadModel.generate(pm, ...)``
+    runs HF's generate with a ``self`` that is not an instance of the class. An ``AttributeError``
+    so that ``hasattr`` stays False, a ``TypeError`` for what it means (the wrong ``self``)."""
+
+
+GENERATION_INSTANCE_ATTRIBUTES = ("config", "generation_config", "device", "dtype", "main_input_name")
+"""What HF's generate reads of a model's instance besides ``GenerationMixin``'s own methods."""
+
+
+def original_class_error(original: type, holder: str, name: str) -> AttributeError | None:
+    """The error for ``name`` missing on a ``holder`` standing in for an ``original`` HF model,
+    when ``name`` is something HF's ``GenerationMixin.generate`` reads of its ``self``; None otherwise.
+
+    HF's generate called through the original class does not run on a parallel module: it
+    drives the model through its own cache objects and many mixin methods, whose use differs
+    between transformers versions and models. Rather than imitate a moving subset of them (and
+    risk tokens that are not the model's), the call stops at the first one, naming the path that
+    works."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not issubclass(original, transformers.GenerationMixin):
+        return None
+    if not hasattr(transformers.GenerationMixin, name) and name not in GENERATION_INSTANCE_ATTRIBUTES:
+        return None
+    return OriginalClassMethodError(
+        f"{holder!r} has no attribute {name!r}: it stands in for {original.__name__} but is not an instance of "
+        f"it, so HF's generate called through the original class ({original.__name__}.generate(pm, ...) or "
+        "GenerationMixin.generate(pm, ...)) cannot run on it; generate with pm.generate(ids, ...) or "
+        "sptransform.generate(pm, ids, ...)"
+    )
+
+
 def hf_generation_config(source: nn.Module):
     """The model's HF ``GenerationConfig``, or None for a module without HF's mixin."""
     transformers = sys.modules.get("transformers")

@@ -108,3 +108,16 @@ def test_options_follow_hf_generation_config_then_hf_defaults():
     assert options.eos_token_id == (50256,) and options.pad_token_id == 50256
     plain = resolve_options(LogitsLM(CONFIG), dict(max_new_tokens=3, eos_token_id=[4, 5]), prompt_length=5)
     assert plain.top_k is None and plain.eos_token_id == (4, 5) and plain.pad_token_id == 4
+
+
+def test_hf_generate_through_the_original_class_names_pm_generate():
+    model, ids = _gpt2(), _prompt(length=4)
+    with simulated_ranks(2):
+        pm = sptransform.parallelize(model, tp=2, example_inputs=(ids,))
+        for call in (lambda: type(model).generate(pm, ids, max_new_tokens=2),
+                     lambda: transformers.GenerationMixin.generate(pm, ids, max_new_tokens=2)):
+            with pytest.raises(TypeError, match=r"GPT2LMHeadModel.generate\(pm, \.\.\.\).*use|pm\.generate\(ids"):
+                call()
+        assert not hasattr(pm, "generation_config")  # still an AttributeError for hasattr
+        with pytest.raises(AttributeError, match="no attribute 'not_a_thing'$"):
+            pm.not_a_thing
