@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from sptransform.capture import CapturedGraph
-from sptransform.graph.nodes import describe, packet, shape_of
+from sptransform.graph.nodes import describe, is_grouped_mm, packet, shape_of
 from sptransform.graph.placement import DimShard, ParamPlacement, whole
 from sptransform.graph.rules import (
     CUT, ShardingError, input_specs_for_output, is_getitem, is_split, slice_bounds, slices_input_spec, split_chunks,
@@ -68,6 +68,15 @@ class LinearMatch:
     (``w_q, w_kv = w.split([E, 2 * E])``, ``w.chunk(3)[i]``, ``w[a:b]``); None: all of it."""
     bias_piece: tuple[int, int] | None = None
     """The same for the bias (``b_q, b_k, b_v = b.chunk(3)``)."""
+    in_dim: int | None = None
+    """Dim of the parameter that indexes input features (None: the other of a 2-D weight's two)."""
+    per_group: bool = False
+    """A grouped matmul (``nodes.GROUPED_MM_OPS``): the parameter holds one ``[K, N]`` weight per
+    expert, each split alike (experts' gate/up column-wise, down row-wise)."""
+
+    @property
+    def weight_in_dim(self) -> int:
+        return 1 - self.out_dim if self.in_dim is None else self.in_dim
 
     @property
     def weight_label(self) -> str:
@@ -210,13 +219,22 @@ def find_linears(captured: CapturedGraph) -> dict[fx.Node, LinearMatch]:
             x, w = node.args[:2]
             bias = None
             out_dim = 1
+        elif is_grouped_mm(node):  # x [S, K] by w [E, K, N]: one linear per expert
+            x, w = node.args[:2]
+            bias = None
+            out_dim = 2
         else:
             continue
+        grouped = is_grouped_mm(node)
         placeholder, perm, piece = _param_through_views(w, captured)
         if placeholder is None or (p in (aten.mm, aten.matmul) and len(shape_of(placeholder)) != 2):
             continue
+        if grouped and piece is not None:
+            continue  # some rows of each expert's weight: not a layout we split
+        in_dim = 1 if grouped else None
         if perm is not None:
             out_dim = perm[out_dim]
+            in_dim = perm[in_dim] if grouped else None
         if piece is not None and piece[0] != out_dim:
             continue  # a piece along the input features: no column split of it to derive
         bias_node, bias_piece = None, None
@@ -235,10 +253,12 @@ def find_linears(captured: CapturedGraph) -> dict[fx.Node, LinearMatch]:
             out_dim=out_dim,
             bias=bias_node,
             bias_name=captured.param_of(bias_node) if bias_node is not None else None,
-            in_features=wshape[1 - out_dim],
+            in_features=wshape[1 - out_dim if in_dim is None else in_dim],
             out_features=wshape[out_dim],
             weight_piece=piece[1:] if piece is not None else None,
             bias_piece=bias_piece[1:] if bias_piece is not None else None,
+            in_dim=in_dim,
+            per_group=grouped,
         )
     return found
 
@@ -708,12 +728,14 @@ def parameter_placements(analysis: ModelAnalysis, tp: int) -> dict[str, ParamPla
             lm = region.column_linears[column]
             whole_storage = not _has_dtensor_placement(spec)
             if lm.weight_piece is None:
-                place(lm.weight_name, ParamPlacement(spec.with_dim(lm.out_dim), "column-parallel weight",
+                role = "column-parallel experts' weight" if lm.per_group else "column-parallel weight"
+                place(lm.weight_name, ParamPlacement(spec.with_dim(lm.out_dim), role,
                                                      stored_whole=whole_storage))
             if lm.bias_name and lm.bias_piece is None:
                 place(lm.bias_name, ParamPlacement(spec.with_dim(0), "column-parallel bias", stored_whole=whole_storage))
         row = region.row
-        place(row.weight_name, ParamPlacement(whole(1 - row.out_dim, row.in_features), "row-parallel weight"))
+        place(row.weight_name, ParamPlacement(whole(row.weight_in_dim, row.in_features),
+                                              "row-parallel experts' weight" if row.per_group else "row-parallel weight"))
     for name, spec in analysis.fused.items():
         place(name, ParamPlacement(spec, "column-parallel, in pieces", stored_whole=not _has_dtensor_placement(spec)))
     head = analysis.head
