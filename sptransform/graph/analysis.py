@@ -129,6 +129,11 @@ class ModelAnalysis:
     """Parameters the linears read in pieces -> their split (each piece's column split, side by side)."""
     kept_whole: set[str] = field(default_factory=set)
     """Parameters read in pieces that no split fits: replicated (``notes`` says why)."""
+    param_bytes: dict[str, int] = field(default_factory=dict)
+    """Every parameter's bytes, whole (as captured)."""
+    whole_reasons: dict[str, str] = field(default_factory=dict)
+    """Parameter -> which rule leaves it whole on every rank, for those no region splits
+    (``explain()`` names the largest)."""
 
     @property
     def num_layers(self) -> int:
@@ -495,7 +500,10 @@ def analyze(captured: CapturedGraph, tp: int) -> ModelAnalysis:
         if head is not None and (e.weight is head.weight or (e.num_embeddings == vocab and _reads_user_ids(e, captured)))
     ]
     dropouts = [n for n in graph.nodes if packet(n) is aten.dropout]
+    whole_reasons = _whole_reasons(captured, linears, regions, head, vocab_embeddings, failures, notes, kept_whole)
     return ModelAnalysis(
+        param_bytes={captured.param_of(n): _nbytes(n) for n in captured.state_placeholders if captured.param_of(n)},
+        whole_reasons=whole_reasons,
         seq_len=_query_length(graph),
         linears=linears,
         embeddings=embeddings,
@@ -509,6 +517,63 @@ def analyze(captured: CapturedGraph, tp: int) -> ModelAnalysis:
         fused=fused,
         kept_whole=kept_whole,
     )
+
+
+def _nbytes(node: fx.Node) -> int:
+    value = node.meta.get("val")
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
+def _whole_reasons(captured: CapturedGraph, linears: dict[fx.Node, LinearMatch], regions: list[Region],
+                   head: LinearMatch | None, vocab_embeddings: list[EmbeddingMatch],
+                   failures: dict[fx.Node, ShardingError], notes: list[str], kept_whole: set[str]) -> dict[str, str]:
+    """Parameter -> the rule that leaves it whole, for every parameter no region, head or
+    vocabulary embedding splits. Read off the same facts the analysis used: how the linears
+    reading it were placed, else which ops read it."""
+    split: set[str] = set()
+    for region in regions:
+        split.add(region.row.weight_name)
+        for lm in region.column_linears.values():
+            split.update(n for n in (lm.weight_name, lm.bias_name) if n)
+    if head is not None:
+        split.update(n for n in (head.weight_name, head.bias_name) if n)
+    split.update(e.weight_name for e in vocab_embeddings)
+    cut = {n: r for r in regions for n, _ in r.cuts if n in linears}
+    reasons: dict[str, str] = {}
+    for name in sorted(kept_whole):
+        reasons[name] = next((n.split(": ", 1)[1] for n in notes if n.startswith(f"parameter {name!r}, read in pieces")),
+                             "read in pieces that no split fits")
+    for node, lm in linears.items():
+        for name in (lm.weight_name, lm.bias_name):
+            if not name or name in split or name in reasons:
+                continue
+            if node in cut:
+                reasons[name] = (f"its linear runs whole and its output is cut inside the {cut[node].kind} block of "
+                                 f"{cut[node].row.weight_name!r} (fewer heads than tp, or a split the walk cannot carry)")
+            elif lm.weight_piece is None:
+                why = failures.get(node)
+                reasons[name] = ("its linear is neither column- nor row-parallel"
+                                 + (f" (as a row-parallel linear: {why})" if why is not None else ""))
+    for node in captured.state_placeholders:
+        name = captured.param_of(node)
+        if not name or name in split or name in reasons:
+            continue
+        readers = sorted({str(packet(u)).rsplit(".", 1)[-1] for u in _readers_through_views(node)})
+        reasons[name] = (f"no linear reads it: read by {', '.join(readers) or 'nothing'} (elementwise, norm, router "
+                         "or lookup ops run on whole parameters)")
+    return reasons
+
+
+def _readers_through_views(node: fx.Node) -> list[fx.Node]:
+    """The ops that read ``node``, looking through views and casts of it."""
+    found, stack = [], list(node.users)
+    while stack:
+        user = stack.pop()
+        if user.op == "call_function" and packet(user) in _MOVES_ONLY:
+            stack.extend(user.users)
+        else:
+            found.append(user)
+    return found
 
 
 def _fused_parameters(linears: dict[fx.Node, LinearMatch], regions: list[Region],

@@ -1,0 +1,88 @@
+"""Expert-tensor parallelism from dataflow: a grouped matmul of a 3-D expert parameter is a
+linear per expert, found, placed and split like a dense MLP (gate/up column-wise, down
+row-wise), on a hand-written MoE block whose experts run transformers' grouped matmul op (the
+one its MoE families capture on CPU; ``torch._grouped_mm``'s meta kernel takes bfloat16 only)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import pytest
+
+import sptransform
+from sptransform.capture import FakeTemplate, capture
+from sptransform.graph.analysis import analyze, find_linears, parameter_placements
+from sptransform.graph.placement import DimShard
+from simulate import simulated_ranks
+
+pytest.importorskip("transformers.integrations.moe")  # registers torch.ops.transformers.grouped_mm_fallback
+
+E, H, I, V = 4, 16, 32, 64  # experts, hidden, expert width, vocabulary 
+
+
+class GroupedExperts(nn.Module):
+    """Top-1 routing with tokens sorted by expert, the experts one grouped matmul each way:
+    ``gate_up [E, 2I, H]`` read transposed (as transformers stores it), ``down [E, I, H]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, H)
+        self.router = nn.Linear(H, E, bias=False)
+        self.gate_up = nn.Parameter(torch.randn(E, 2 * I, H) / H ** 0.5)
+        self.down = nn.Parameter(torch.randn(E, I, H) / I ** 0.5)
+        self.norm = nn.RMSNorm(H)
+        self.head = nn.Linear(H, V, bias=False)
+
+    def forward(self, ids, labels):
+        x = self.emb(ids).flatten(0, 1)  # [S, H]
+        scores = self.router(x).softmax(-1)
+        weight, expert = scores.max(-1)
+        order = expert.argsort(stable=True)
+        counts = torch.histc(expert.float(), bins=E, min=0, max=E - 1)  # expert e's rows end at offs[e]
+        offs = counts.cumsum(0).to(torch.int32)
+        xs = x[order]
+        gate, up = torch.ops.transformers.grouped_mm_fallback(xs, self.gate_up.transpose(-2, -1), offs).chunk(2, dim=-1)
+        ys = torch.ops.transformers.grouped_mm_fallback(F.silu(gate) * up, self.down, offs)  # [S, H]
+        y = torch.empty_like(ys).index_copy(0, order, ys) * weight[:, None]
+        logits = self.head(self.norm(x + y))
+        return F.cross_entropy(logits, labels.flatten())
+
+
+def _inputs(tokens=16):
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, V, (2, tokens), generator=g), torch.randint(0, V, (2, tokens), generator=g)
+
+
+def test_grouped_matmuls_of_expert_parameters_are_linears_per_expert():
+    captured = capture(FakeTemplate(GroupedExperts(), torch.device("cpu")), _inputs(), {})
+    found = {lm.weight_name: lm for lm in find_linears(captured).values() if lm.per_group}
+    gate_up, down = found["gate_up"], found["down"]
+    assert (gate_up.out_dim, gate_up.weight_in_dim, gate_up.in_features, gate_up.out_features) == (1, 2, H, 2 * I)
+    assert (down.out_dim, down.weight_in_dim, down.in_features, down.out_features) == (2, 1, I, H)
+
+
+def test_experts_split_like_a_dense_mlp_per_expert_and_the_router_stays_whole():
+    analysis = analyze(capture(FakeTemplate(GroupedExperts(), torch.device("cpu")), _inputs(), {}), 2)
+    (region,) = analysis.regions
+    assert region.kind == "mlp" and region.row.weight_name == "down"
+    placements = parameter_placements(analysis, 2)
+    # gate and up halves of each expert's rows, each split over the ranks: two segments
+    assert placements["gate_up"].spec == DimShard(1, ((0, I), (I, I)))
+    assert placements["down"].spec == DimShard(1, ((0, I),))
+    assert "router.weight" not in placements
+    assert "neither column- nor row-parallel" in analysis.whole_reasons["router.weight"]
+
+
+def test_grouped_experts_train_like_the_original_on_simulated_ranks_and_explain_names_what_stays_whole():
+    from simulate import train_side_by_side
+
+    train_side_by_side(GroupedExperts, _inputs(), tp=2, sp=False, rtol=1e-4, atol=1e-5)
+    with simulated_ranks(2):
+        torch.manual_seed(0)
+        pm = sptransform.parallelize(GroupedExperts(), tp=2, sp=False, example_inputs=_inputs())
+        report = pm.explain()
+        held = pm.held_share()
+    assert "held whole on every rank: 2 parameters" in report, report
+    assert "router.weight" in report.split("held whole on every rank")[1], report
+    assert held < 0.55, held
