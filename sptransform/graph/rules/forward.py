@@ -267,7 +267,7 @@ def slice_forward(node: fx.Node, links: LinksRule | None, current: dict, ctx: Ru
     x = node.args[0]
     spec = current[x]
     if isinstance(spec, DimShard) and spec.dim == slice_bounds(node)[0]:
-        out = slice_output_spec(node, spec)
+        out = slice_output_spec(node, spec, ctx.tp)
         return Decision({x: spec}, out) if out is not None else Decision({x: REPLICATED}, REPLICATED)
     return linked_forward(node, links, current, ctx)
 

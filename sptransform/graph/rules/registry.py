@@ -45,7 +45,7 @@ import torch.fx as fx
 
 from sptransform.graph.nodes import is_grouped_mm, packet
 from sptransform.graph.placement import PARTIAL, REPLICATED, DimShard
-from sptransform.graph.rules.backward import linked_backward, view_backward
+from sptransform.graph.rules.backward import linked_backward, slice_backward, view_backward
 from sptransform.graph.rules.base import (
     Decision, OpRule, RuleContext, ShardingError, replicated_like, same_for_each_output, tensor_inputs,
 )
@@ -99,7 +99,7 @@ RULES: dict[object, OpRule] = {
     **{p: OpRule(None, split_forward, None) for p in SPLIT_PACKETS},
     aten.layer_norm: OpRule(norm_links, linked_forward, linked_backward),
     aten.rms_norm: OpRule(norm_links, linked_forward, linked_backward),
-    aten.slice: OpRule(slice_links, slice_forward, linked_backward),
+    aten.slice: OpRule(slice_links, slice_forward, slice_backward),
     aten.select: OpRule(select_links, linked_forward, linked_backward),
     aten.repeat_interleave: OpRule(repeat_interleave_links, linked_forward, linked_backward),
     aten.cat: OpRule(cat_links, linked_forward, linked_backward),
