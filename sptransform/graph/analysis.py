@@ -551,9 +551,7 @@ def _whole_reasons(captured: CapturedGraph, linears: dict[fx.Node, LinearMatch],
                 reasons[name] = (f"its linear runs whole and its output is cut inside the {cut[node].kind} block of "
                                  f"{cut[node].row.weight_name!r} (fewer heads than tp, or a split the walk cannot carry)")
             elif lm.weight_piece is None:
-                why = failures.get(node)
-                reasons[name] = ("its linear is neither column- nor row-parallel"
-                                 + (f" (as a row-parallel linear: {why})" if why is not None else ""))
+                reasons[name] = _neither_reason(node, failures)
     for node in captured.state_placeholders:
         name = captured.param_of(node)
         if not name or name in split or name in reasons:
@@ -562,6 +560,18 @@ def _whole_reasons(captured: CapturedGraph, linears: dict[fx.Node, LinearMatch],
         reasons[name] = (f"no linear reads it: read by {', '.join(readers) or 'nothing'} (elementwise, norm, router "
                          "or lookup ops run on whole parameters)")
     return reasons
+
+
+def _neither_reason(node: fx.Node, failures: dict[fx.Node, ShardingError]) -> str:
+    """Why a linear is in no region: what stopped it as a row-parallel linear, and what stopped the
+    walk back from the first linear it feeds (which would have made it column-parallel)."""
+    why = [f"as a row-parallel linear, {failures[node]}"] if node in failures else []
+    fed = [n for n in _forward_closure([node]) if n is not node and n in failures]
+    if fed:
+        position = {n: i for i, n in enumerate(node.graph.nodes)}
+        first = min(fed, key=position.__getitem__)
+        why.append(f"as a column-parallel one feeding {describe(first)}, {failures[first]}")
+    return "its linear is neither column- nor row-parallel" + (f" ({'; '.join(why)})" if why else "")
 
 
 def _readers_through_views(node: fx.Node) -> list[fx.Node]:

@@ -77,7 +77,7 @@ def test_experts_split_like_a_dense_mlp_per_expert_and_the_router_stays_whole():
 def test_grouped_experts_train_like_the_original_on_simulated_ranks_and_explain_names_what_stays_whole():
     from simulate import train_side_by_side
 
-    train_side_by_side(GroupedExperts, _inputs(), tp=2, sp=False, rtol=1e-4, atol=1e-5)
+    train_side_by_side(GroupedExperts, _inputs(), tp=2, sp=False, steps=2, rtol=1e-4, atol=1e-5)
     with simulated_ranks(2):
         torch.manual_seed(0)
         pm = sptransform.parallelize(GroupedExperts(), tp=2, sp=False, example_inputs=_inputs())
