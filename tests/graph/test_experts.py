@@ -86,3 +86,40 @@ def test_grouped_experts_train_like_the_original_on_simulated_ranks_and_explain_
     assert "held whole on every rank: 2 parameters" in report, report
     assert "router.weight" in report.split("held whole on every rank")[1], report
     assert held < 0.55, held
+
+
+def _one_op_graph(fn, *inputs) -> torch.fx.GraphModule:
+    from graph.test_rules import _graph
+
+    return _graph(fn, *inputs)
+
+
+def test_grouped_matmul_rule_keeps_rows_whole_and_splits_features_per_expert():
+    from graph.test_rules import _backward, _forward, _inputs as placeholders
+    from sptransform.graph.placement import PARTIAL, REPLICATED, whole
+
+    grouped = torch.ops.transformers.grouped_mm_fallback.default
+    offs = torch.tensor([3, 8], dtype=torch.int32)
+    gm = _one_op_graph(lambda x, w, o: grouped(x, w, o), torch.randn(8, 4), torch.randn(2, 4, 6), offs)
+    (x, w, o), op = placeholders(gm), next(n for n in gm.graph.nodes if n.op == "call_function")
+    column = _forward(op, {w: whole(2, 6)}, constant={w})
+    assert column.output == whole(1, 6) and column.needs == {x: REPLICATED, w: whole(2, 6), o: REPLICATED}
+    row = _forward(op, {x: whole(1, 4), w: whole(1, 4)}, constant={w})
+    assert row.output == PARTIAL and row.needs[o] == REPLICATED
+    # rows split by tokens: which rows form each group is fixed by all of them, so the op runs whole
+    assert _forward(op, {x: whole(0, 8)}).needs[x] == REPLICATED
+    assert _backward(op, whole(1, 6)) == {x: None, w: whole(2, 6), o: None}
+
+
+def test_strided_slices_of_a_whole_dim_carry_its_split_both_ways():
+    from graph.test_rules import _backward, _forward, _inputs as placeholders
+    from sptransform.graph.placement import REPLICATED, whole
+
+    gm = _one_op_graph(lambda x: torch.ops.aten.slice.Tensor(x, 1, 1, 9223372036854775807, 2), torch.randn(3, 8))
+    (x,), op = placeholders(gm), next(n for n in gm.graph.nodes if n.op == "call_function")
+    assert _backward(op, whole(1, 4)) == {x: whole(1, 8)}
+    assert _forward(op, {x: whole(1, 8)}).output == whole(1, 4)
+    # each rank's part of 6 is 3: not whole pairs, the local x[:, 1::2] would take the wrong ones
+    gm = _one_op_graph(lambda x: torch.ops.aten.slice.Tensor(x, 1, 1, 9223372036854775807, 2), torch.randn(3, 6))
+    (x,), op = placeholders(gm), next(n for n in gm.graph.nodes if n.op == "call_function")
+    assert _forward(op, {x: whole(1, 6)}).output == REPLICATED
