@@ -544,7 +544,7 @@ def _refuse_custom_autograd_functions(template: "FakeTemplate", args: tuple, kwa
     """``torch.export`` traces a custom ``torch.autograd.Function``'s forward and drops its
     backward, so the parallel model would differentiate the forward instead. Run the fake copy
     once with autograd on and name every such function its graph holds."""
-    with template.fake_mode, torch.enable_grad():
+    with template.fake_mode, torch.enable_grad(), quiet_fake_tensor_meta_failures():
         try:
             outputs = template.module(*args, **kwargs)
         except Exception:  # export traced it; a plain fake run failing here says nothing new
