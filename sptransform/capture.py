@@ -534,13 +534,17 @@ def _hidden_writes(gm: fx.GraphModule) -> list[str]:
 # Functions of torch whose backward is the forward's own vector-Jacobian product (recomputation),
 # so tracing their forward alone loses nothing.
 _EXACT_BACKWARD = ("torch.utils.checkpoint.CheckpointFunction",)
+# The autograd of a ``torch.library`` custom op (``register_autograd``): export keeps the op as one
+# node of the graph and AOTAutograd differentiates it by the registered backward, so nothing is lost
+# (transformers' ``grouped_mm_fallback``, its MoE experts' grouped matmul on CPU).
+_LIBRARY_AUTOGRAD_MODULE = "torch._library.autograd"
 
 
 def _refuse_custom_autograd_functions(template: "FakeTemplate", args: tuple, kwargs: dict) -> None:
     """``torch.export`` traces a custom ``torch.autograd.Function``'s forward and drops its
     backward, so the parallel model would differentiate the forward instead. Run the fake copy
     once with autograd on and name every such function its graph holds."""
-    with template.fake_mode, torch.enable_grad():
+    with template.fake_mode, torch.enable_grad(), quiet_fake_tensor_meta_failures():
         try:
             outputs = template.module(*args, **kwargs)
         except Exception:  # export traced it; a plain fake run failing here says nothing new
@@ -556,7 +560,7 @@ def _refuse_custom_autograd_functions(template: "FakeTemplate", args: tuple, kwa
         forward_cls = autograd_function_class(fn)
         if forward_cls is not None:
             name = f"{forward_cls.__module__}.{forward_cls.__qualname__}"
-            if name not in _EXACT_BACKWARD:
+            if name not in _EXACT_BACKWARD and forward_cls.__module__ != _LIBRARY_AUTOGRAD_MODULE:
                 code = getattr(forward_cls.backward, "__code__", None)
                 found[name] = f"{code.co_filename}:{code.co_firstlineno}" if code is not None else "?"
         stack.extend(next_fn for next_fn, _ in fn.next_functions)

@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from sptransform.capture import CapturedGraph
-from sptransform.graph.nodes import describe, packet, shape_of
+from sptransform.graph.nodes import describe, is_grouped_mm, packet, shape_of
 from sptransform.graph.placement import DimShard, ParamPlacement, whole
 from sptransform.graph.rules import (
     CUT, ShardingError, input_specs_for_output, is_getitem, is_split, slice_bounds, slices_input_spec, split_chunks,
@@ -68,6 +68,15 @@ class LinearMatch:
     (``w_q, w_kv = w.split([E, 2 * E])``, ``w.chunk(3)[i]``, ``w[a:b]``); None: all of it."""
     bias_piece: tuple[int, int] | None = None
     """The same for the bias (``b_q, b_k, b_v = b.chunk(3)``)."""
+    in_dim: int | None = None
+    """Dim of the parameter that indexes input features (None: the other of a 2-D weight's two)."""
+    per_group: bool = False
+    """A grouped matmul (``nodes.GROUPED_MM_OPS``): the parameter holds one ``[K, N]`` weight per
+    expert, each split alike (experts' gate/up column-wise, down row-wise)."""
+
+    @property
+    def weight_in_dim(self) -> int:
+        return 1 - self.out_dim if self.in_dim is None else self.in_dim
 
     @property
     def weight_label(self) -> str:
@@ -120,6 +129,11 @@ class ModelAnalysis:
     """Parameters the linears read in pieces -> their split (each piece's column split, side by side)."""
     kept_whole: set[str] = field(default_factory=set)
     """Parameters read in pieces that no split fits: replicated (``notes`` says why)."""
+    param_bytes: dict[str, int] = field(default_factory=dict)
+    """Every parameter's bytes, whole (as captured)."""
+    whole_reasons: dict[str, str] = field(default_factory=dict)
+    """Parameter -> which rule leaves it whole on every rank, for those no region splits
+    (``explain()`` names the largest)."""
 
     @property
     def num_layers(self) -> int:
@@ -210,13 +224,22 @@ def find_linears(captured: CapturedGraph) -> dict[fx.Node, LinearMatch]:
             x, w = node.args[:2]
             bias = None
             out_dim = 1
+        elif is_grouped_mm(node):  # x [S, K] by w [E, K, N]: one linear per expert
+            x, w = node.args[:2]
+            bias = None
+            out_dim = 2
         else:
             continue
+        grouped = is_grouped_mm(node)
         placeholder, perm, piece = _param_through_views(w, captured)
         if placeholder is None or (p in (aten.mm, aten.matmul) and len(shape_of(placeholder)) != 2):
             continue
+        if grouped and piece is not None:
+            continue  # some rows of each expert's weight: not a layout we split
+        in_dim = 1 if grouped else None
         if perm is not None:
             out_dim = perm[out_dim]
+            in_dim = perm[in_dim] if grouped else None
         if piece is not None and piece[0] != out_dim:
             continue  # a piece along the input features: no column split of it to derive
         bias_node, bias_piece = None, None
@@ -235,10 +258,12 @@ def find_linears(captured: CapturedGraph) -> dict[fx.Node, LinearMatch]:
             out_dim=out_dim,
             bias=bias_node,
             bias_name=captured.param_of(bias_node) if bias_node is not None else None,
-            in_features=wshape[1 - out_dim],
+            in_features=wshape[1 - out_dim if in_dim is None else in_dim],
             out_features=wshape[out_dim],
             weight_piece=piece[1:] if piece is not None else None,
             bias_piece=bias_piece[1:] if bias_piece is not None else None,
+            in_dim=in_dim,
+            per_group=grouped,
         )
     return found
 
@@ -475,7 +500,10 @@ def analyze(captured: CapturedGraph, tp: int) -> ModelAnalysis:
         if head is not None and (e.weight is head.weight or (e.num_embeddings == vocab and _reads_user_ids(e, captured)))
     ]
     dropouts = [n for n in graph.nodes if packet(n) is aten.dropout]
+    whole_reasons = _whole_reasons(captured, linears, regions, head, vocab_embeddings, failures, notes, kept_whole)
     return ModelAnalysis(
+        param_bytes={captured.param_of(n): _nbytes(n) for n in captured.state_placeholders if captured.param_of(n)},
+        whole_reasons=whole_reasons,
         seq_len=_query_length(graph),
         linears=linears,
         embeddings=embeddings,
@@ -489,6 +517,73 @@ def analyze(captured: CapturedGraph, tp: int) -> ModelAnalysis:
         fused=fused,
         kept_whole=kept_whole,
     )
+
+
+def _nbytes(node: fx.Node) -> int:
+    value = node.meta.get("val")
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
+def _whole_reasons(captured: CapturedGraph, linears: dict[fx.Node, LinearMatch], regions: list[Region],
+                   head: LinearMatch | None, vocab_embeddings: list[EmbeddingMatch],
+                   failures: dict[fx.Node, ShardingError], notes: list[str], kept_whole: set[str]) -> dict[str, str]:
+    """Parameter -> the rule that leaves it whole, for every parameter no region, head or
+    vocabulary embedding splits. Read off the same facts the analysis used: how the linears
+    reading it were placed, else which ops read it."""
+    split: set[str] = set()
+    for region in regions:
+        split.add(region.row.weight_name)
+        for lm in region.column_linears.values():
+            split.update(n for n in (lm.weight_name, lm.bias_name) if n)
+    if head is not None:
+        split.update(n for n in (head.weight_name, head.bias_name) if n)
+    split.update(e.weight_name for e in vocab_embeddings)
+    cut = {n: r for r in regions for n, _ in r.cuts if n in linears}
+    reasons: dict[str, str] = {}
+    for name in sorted(kept_whole):
+        reasons[name] = next((n.split(": ", 1)[1] for n in notes if n.startswith(f"parameter {name!r}, read in pieces")),
+                             "read in pieces that no split fits")
+    for node, lm in linears.items():
+        for name in (lm.weight_name, lm.bias_name):
+            if not name or name in split or name in reasons:
+                continue
+            if node in cut:
+                reasons[name] = (f"its linear runs whole and its output is cut inside the {cut[node].kind} block of "
+                                 f"{cut[node].row.weight_name!r} (fewer heads than tp, or a split the walk cannot carry)")
+            elif lm.weight_piece is None:
+                reasons[name] = _neither_reason(node, failures)
+    for node in captured.state_placeholders:
+        name = captured.param_of(node)
+        if not name or name in split or name in reasons:
+            continue
+        readers = sorted({str(packet(u)).rsplit(".", 1)[-1] for u in _readers_through_views(node)})
+        reasons[name] = (f"no linear reads it: read by {', '.join(readers) or 'nothing'} (elementwise, norm, router "
+                         "or lookup ops run on whole parameters)")
+    return reasons
+
+
+def _neither_reason(node: fx.Node, failures: dict[fx.Node, ShardingError]) -> str:
+    """Why a linear is in no region: what stopped it as a row-parallel linear, and what stopped the
+    walk back from the first linear it feeds (which would have made it column-parallel)."""
+    why = [f"as a row-parallel linear, {failures[node]}"] if node in failures else []
+    fed = [n for n in _forward_closure([node]) if n is not node and n in failures]
+    if fed:
+        position = {n: i for i, n in enumerate(node.graph.nodes)}
+        first = min(fed, key=position.__getitem__)
+        why.append(f"as a column-parallel one feeding {describe(first)}, {failures[first]}")
+    return "its linear is neither column- nor row-parallel" + (f" ({'; '.join(why)})" if why else "")
+
+
+def _readers_through_views(node: fx.Node) -> list[fx.Node]:
+    """The ops that read ``node``, looking through views and casts of it."""
+    found, stack = [], list(node.users)
+    while stack:
+        user = stack.pop()
+        if user.op == "call_function" and packet(user) in _MOVES_ONLY:
+            stack.extend(user.users)
+        else:
+            found.append(user)
+    return found
 
 
 def _fused_parameters(linears: dict[fx.Node, LinearMatch], regions: list[Region],
@@ -708,12 +803,14 @@ def parameter_placements(analysis: ModelAnalysis, tp: int) -> dict[str, ParamPla
             lm = region.column_linears[column]
             whole_storage = not _has_dtensor_placement(spec)
             if lm.weight_piece is None:
-                place(lm.weight_name, ParamPlacement(spec.with_dim(lm.out_dim), "column-parallel weight",
+                role = "column-parallel experts' weight" if lm.per_group else "column-parallel weight"
+                place(lm.weight_name, ParamPlacement(spec.with_dim(lm.out_dim), role,
                                                      stored_whole=whole_storage))
             if lm.bias_name and lm.bias_piece is None:
                 place(lm.bias_name, ParamPlacement(spec.with_dim(0), "column-parallel bias", stored_whole=whole_storage))
         row = region.row
-        place(row.weight_name, ParamPlacement(whole(1 - row.out_dim, row.in_features), "row-parallel weight"))
+        place(row.weight_name, ParamPlacement(whole(row.weight_in_dim, row.in_features),
+                                              "row-parallel experts' weight" if row.per_group else "row-parallel weight"))
     for name, spec in analysis.fused.items():
         place(name, ParamPlacement(spec, "column-parallel, in pieces", stored_whole=not _has_dtensor_placement(spec)))
     head = analysis.head

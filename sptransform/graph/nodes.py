@@ -19,6 +19,26 @@ aten = torch.ops.aten
 
 MATMUL_OPS = frozenset({aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.matmul, aten.linear, aten._scaled_mm})
 
+GROUPED_MM_OPS = frozenset({"aten::_grouped_mm", "transformers::grouped_mm_fallback"})
+"""Grouped matmuls by schema name: ``out[rows of group e] = x[rows of group e] @ w[e]`` for
+``x [S, K]``, ``w [E, K, N]`` and cumulative group ends ``offs [E]``. transformers' MoE experts
+(``experts_implementation="grouped_mm"``) run torch's kernel or, where it cannot (float32 under
+tracing, CPU), its own custom op with the same schema; that op exists only once transformers is
+imported, so it is known by name rather than by its packet."""
+
+
+def is_grouped_mm(node: fx.Node) -> bool:
+    """A grouped matmul of a 2-D ``x`` by a 3-D ``w`` with offsets and no bias (``GROUPED_MM_OPS``)."""
+    if node.op != "call_function" or not isinstance(node.target, OpOverload):
+        return False
+    if node.target.name() not in GROUPED_MM_OPS or len(node.args) < 3 or not isinstance(node.args[2], fx.Node):
+        return False
+    if node.args[3:] and node.args[3] is not None or node.kwargs.get("bias") is not None:
+        return False
+    x, w = shape_of(node.args[0]), shape_of(node.args[1])
+    return x is not None and w is not None and len(x) == 2 and len(w) == 3
+
+
 # Ops that return (an alias of) their input without an alias annotation in the
 # schema: ``_unsafe_view`` is how ``reshape`` aliases a fresh clone, and a
 # collective's ``wait_tensor`` hands back the tensor the collective wrote.

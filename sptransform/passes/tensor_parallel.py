@@ -241,9 +241,12 @@ def _localize(gm: fx.GraphModule, node: fx.Node, prop: Propagation, plan: Parall
         _vocab_loss(node, plan)
     elif kind == "fused_slice":  # a piece of a fused dim: its bounds in the local tensor
         spec = prop.reads[node][node.args[0]]
-        d, start, end, _ = slice_bounds(node)
-        local_start, local_end = local_slice_bounds(spec, start, end, plan.tp)
-        node.args = (node.args[0], d, local_start, local_end, 1)
+        d, start, end, step = slice_bounds(node)
+        if step != 1:  # every k-th from start to the end (geometry.strided_slice_step): the same on each part
+            local_start, local_end = start, sum(n // plan.tp for _, n in spec.segments)
+        else:
+            local_start, local_end = local_slice_bounds(spec, start, end, plan.tp)
+        node.args = (node.args[0], d, local_start, local_end, step)
         node.kwargs = {}
         node.meta["sptransform_spec"] = prop.placement.get(node)
     elif kind == "split":

@@ -49,6 +49,22 @@ def collective_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
     return counts
 
 
+def largest_whole(analysis, plan, count: int = 8) -> list[str]:
+    """The ``count`` largest parameters every rank holds whole, with their share of the model's
+    parameter bytes and the rule that left each whole (``ModelAnalysis.whole_reasons``)."""
+    total = sum(analysis.param_bytes.values())
+    whole = {name: size for name, size in analysis.param_bytes.items()
+             if name not in plan.placements or plan.placements[name].spec is None}
+    if not total or not whole:
+        return []
+    lines = [f"held whole on every rank: {len(whole)} parameters, {sum(whole.values()) / total:.1%} of the parameter "
+             f"bytes; the largest:"]
+    for name, size in sorted(whole.items(), key=lambda x: (-x[1], x[0]))[:count]:
+        why = analysis.whole_reasons.get(name, "no rule splits it")
+        lines.append(f"  {name:<50} {size:>12,} B {size / total:6.1%}  {why}")
+    return lines
+
+
 def explain(graph, options) -> str:
     plan, analysis = graph.plan, graph.analysis
     lines = [f"sptransform: tp={options.tp} sp={options.sp} dropout_rng={options.dropout_rng}"]
@@ -73,6 +89,7 @@ def explain(graph, options) -> str:
                      f"{placement.role}{pad}{whole}")
     for name, layer in sorted(plan.sync_params.items(), key=lambda x: x[1]):
         lines.append(f"  {name:<50} replicated, gradient summed in bucket of layer {layer}")
+    lines.extend(largest_whole(analysis, plan))
     lines.append("collectives (forward / backward, bytes of the full tensor per call):")
     for node in collective_nodes(graph.gm):
         fwd, bwd = (" + ".join(k) or "-" for k in COLLECTIVE_DIRECTIONS[node.target])

@@ -11,7 +11,7 @@ import torch.fx as fx
 from sptransform.graph.nodes import describe, shape_of
 from sptransform.graph.placement import DimShard
 from sptransform.graph.rules.base import CUT, LinksRule, ShardingError
-from sptransform.graph.rules.geometry import reshape_spec
+from sptransform.graph.rules.geometry import reshape_spec, strided_slice_input_spec
 
 
 def view_backward(node: fx.Node, links: LinksRule | None, spec: DimShard, tp: int) -> list:
@@ -65,3 +65,12 @@ def _scaled(spec: DimShard, ratio: int, dim: int, tp: int, node: fx.Node) -> Dim
             )
         segs.append((start // ratio, length // ratio))
     return DimShard(dim, tuple(segs))
+
+
+def slice_backward(node: fx.Node, links: LinksRule | None, spec: DimShard, tp: int) -> list | None:
+    """A strided slice of the whole dim (``x[..., 1::2]``) split along it: ``x`` split in segments
+    ``k`` times longer (``geometry.strided_slice_input_spec``); any other slice: by its links."""
+    wanted = strided_slice_input_spec(node, spec, tp)
+    if wanted is not None:
+        return [(node.args[0], wanted)]
+    return linked_backward(node, links, spec, tp)

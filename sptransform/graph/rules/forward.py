@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from sptransform.graph.nodes import packet, shape_of
+from sptransform.graph.nodes import is_grouped_mm, packet, shape_of
 from sptransform.graph.placement import PARTIAL, REPLICATED, DimShard, whole
 from sptransform.graph.rules.base import Decision, LinksRule, RuleContext, replicated_like, same_for_each_output
 from sptransform.graph.rules.geometry import is_split, reshape_spec, slice_bounds, slice_output_spec, split_dim, split_output_specs
@@ -154,7 +154,19 @@ def _contraction(node: fx.Node, links: LinksRule):
         return a, b, bias, _ndim(a) - 1, 1, from_a, from_b
     if p is aten.addmm:
         return a, b, node.args[0], 1, 0, from_a, from_b
+    if is_grouped_mm(node):  # x [S, K] by each group's w[e] [K, N]
+        return a, b, None, 1, 1, from_a, from_b
     return a, b, None, _ndim(a) - 1, _ndim(b) - 2, from_a, from_b
+
+
+def grouped_mm_forward(node: fx.Node, links: LinksRule | None, current: dict, ctx: RuleContext) -> Decision | None:
+    """As a matmul of ``x`` by each group's weight (``links.grouped_mm_links``); the offsets are
+    read whole, since they say which of all the rows form each group."""
+    decision = matmul_forward(node, links, current, ctx)
+    if decision is None:
+        return None
+    offs = node.args[2]
+    return Decision({**decision.needs, offs: REPLICATED}, decision.output, decision.source, decision.note)
 
 
 def matmul_forward(node: fx.Node, links: LinksRule | None, current: dict, ctx: RuleContext) -> Decision | None:
@@ -255,7 +267,7 @@ def slice_forward(node: fx.Node, links: LinksRule | None, current: dict, ctx: Ru
     x = node.args[0]
     spec = current[x]
     if isinstance(spec, DimShard) and spec.dim == slice_bounds(node)[0]:
-        out = slice_output_spec(node, spec)
+        out = slice_output_spec(node, spec, ctx.tp)
         return Decision({x: spec}, out) if out is not None else Decision({x: REPLICATED}, REPLICATED)
     return linked_forward(node, links, current, ctx)
 

@@ -219,12 +219,39 @@ def slice_bounds(node: fx.Node) -> tuple[int, int, int, int]:
     return d, max(0, min(start, size)), max(0, min(end, size)), step
 
 
-def slice_output_spec(node: fx.Node, spec: DimShard) -> DimShard | None:
-    """The split of ``x[..., start:end]`` when ``x`` is split along the sliced dim as ``spec``:
-    the segments inside the slice, if every segment is wholly inside or outside it."""
+def strided_slice_step(node: fx.Node) -> int | None:
+    """``k`` when ``node`` takes every ``k``-th element of its input along the sliced dim from one
+    of the first ``k`` to the end (``x[..., ::2]``, ``x[..., 1::2]``: interleaved pairs taken
+    apart, as GPT-OSS's experts take gate and up apart); None otherwise."""
     d, start, end, step = slice_bounds(node)
-    if spec.dim != d or step != 1:
+    size = shape_of(node.args[0])[d]
+    if step == 1 or start >= step or size % step or end < size - step + 1 + start:
         return None
+    return step
+
+
+def strided_slice_input_spec(node: fx.Node, spec: DimShard, tp: int) -> DimShard | None:
+    """The split of ``x`` for ``x[..., start::k]`` (``strided_slice_step``) to be split as ``spec``:
+    each output segment's ``k`` times longer, so that every rank's part of a segment holds whole
+    groups of ``k`` and its local ``start::k`` takes exactly its part of the output. None: no such split."""
+    k = strided_slice_step(node)
+    if k is None or spec.dim != slice_bounds(node)[0] or any(n % tp for _, n in spec.segments):
+        return None
+    return DimShard(spec.dim, tuple((a * k, n * k) for a, n in spec.segments))
+
+
+def slice_output_spec(node: fx.Node, spec: DimShard, tp: int | None = None) -> DimShard | None:
+    """The split of ``x[..., start:end]`` when ``x`` is split along the sliced dim as ``spec``:
+    the segments inside the slice, if every segment is wholly inside or outside it; or, for a
+    strided slice of the whole dim (``strided_slice_input_spec``), each segment ``k`` times shorter."""
+    d, start, end, step = slice_bounds(node)
+    if spec.dim != d:
+        return None
+    if step != 1:
+        k = strided_slice_step(node)
+        if k is None or tp is None or any(a % k or n % (k * tp) for a, n in spec.segments):
+            return None
+        return DimShard(d, tuple((a // k, n // k) for a, n in spec.segments))
     inside = []
     for a, n in spec.segments:
         if start <= a and a + n <= end:

@@ -194,6 +194,14 @@ def matmul_links(node: fx.Node) -> tuple[Links, set[int]]:
     return [(a, la), (b, lb)], set()
 
 
+def grouped_mm_links(node: fx.Node) -> tuple[Links, set[int]]:
+    """``grouped_mm(x [S, K], w [E, K, N], offs)``: output features link to ``w``'s last dim. Rows
+    link to nothing: which rows form group ``e`` is fixed by ``offs`` over all of them, so a
+    split of the rows is no split of the op (it may not be split); ``K`` is contracted."""
+    x, w, offs = node.args[:3]
+    return [(x, {}), (w, {1: 2}), (offs, {})], {0}
+
+
 def linear_links(node: fx.Node) -> tuple[Links, set[int]]:
     """``linear(x, w, b)``: tokens link to ``x``, output features to ``w``'s rows and ``b``."""
     x, w = node.args[0], node.args[1]

@@ -43,20 +43,20 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from sptransform.graph.nodes import packet
+from sptransform.graph.nodes import is_grouped_mm, packet
 from sptransform.graph.placement import PARTIAL, REPLICATED, DimShard
-from sptransform.graph.rules.backward import linked_backward, view_backward
+from sptransform.graph.rules.backward import linked_backward, slice_backward, view_backward
 from sptransform.graph.rules.base import (
     Decision, OpRule, RuleContext, ShardingError, replicated_like, same_for_each_output, tensor_inputs,
 )
 from sptransform.graph.rules.dtensor import dtensor_backward, dtensor_forward
 from sptransform.graph.rules.forward import (
-    cross_entropy_forward, embedding_forward, linked_forward, matmul_forward, reduction_forward, sdpa_forward,
+    cross_entropy_forward, embedding_forward, grouped_mm_forward, linked_forward, matmul_forward, reduction_forward, sdpa_forward,
     slice_forward, split_forward, view_forward,
 )
 from sptransform.graph.rules.geometry import SPLIT_PACKETS, VIEWS
 from sptransform.graph.rules.links import (
-    POINTWISE as POINTWISE_PACKETS, REDUCTIONS, addmm_links, reduction_links, cat_links, embedding_links, expand_links,
+    POINTWISE as POINTWISE_PACKETS, REDUCTIONS, addmm_links, grouped_mm_links, reduction_links, cat_links, embedding_links, expand_links,
     index_select_links, linear_links, matmul_links, norm_links, permute_links, pointwise_links,
     repeat_interleave_links, sdpa_links, select_links, slice_links, squeeze_links, t_links, transpose_links,
     unsqueeze_links,
@@ -99,7 +99,7 @@ RULES: dict[object, OpRule] = {
     **{p: OpRule(None, split_forward, None) for p in SPLIT_PACKETS},
     aten.layer_norm: OpRule(norm_links, linked_forward, linked_backward),
     aten.rms_norm: OpRule(norm_links, linked_forward, linked_backward),
-    aten.slice: OpRule(slice_links, slice_forward, linked_backward),
+    aten.slice: OpRule(slice_links, slice_forward, slice_backward),
     aten.select: OpRule(select_links, linked_forward, linked_backward),
     aten.repeat_interleave: OpRule(repeat_interleave_links, linked_forward, linked_backward),
     aten.cat: OpRule(cat_links, linked_forward, linked_backward),
@@ -115,10 +115,16 @@ RULES: dict[object, OpRule] = {
 }
 
 
+GROUPED_MM = OpRule(grouped_mm_links, grouped_mm_forward, linked_backward)
+"""``nodes.GROUPED_MM_OPS``, known by schema name (one of them is transformers' custom op)."""
+
+
 def rule_for(node: fx.Node) -> OpRule | None:
     """The registry's entry for ``node``'s op (None: DTensor's strategies are all there is)."""
     if node.op != "call_function":
         return None
+    if is_grouped_mm(node):
+        return GROUPED_MM
     rule = RULES.get(packet(node))
     if rule is None and _is_pointwise(node):
         return POINTWISE

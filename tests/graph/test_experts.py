@@ -1,0 +1,125 @@
+"""Expert-tensor parallelism from dataflow: a grouped matmul of a 3-D expert parameter is a
+linear per expert, found, placed and split like a dense MLP (gate/up column-wise, down
+row-wise), on a hand-written MoE block whose experts run transformers' grouped matmul op (the
+one its MoE families capture on CPU; ``torch._grouped_mm``'s meta kernel takes bfloat16 only)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import pytest
+
+import sptransform
+from sptransform.capture import FakeTemplate, capture
+from sptransform.graph.analysis import analyze, find_linears, parameter_placements
+from sptransform.graph.placement import DimShard
+from simulate import simulated_ranks
+
+pytest.importorskip("transformers.integrations.moe")  # registers torch.ops.transformers.grouped_mm_fallback
+
+E, H, I, V = 4, 16, 32, 64  # experts, hidden, expert width, vocabulary 
+
+
+class GroupedExperts(nn.Module):
+    """Top-1 routing with tokens sorted by expert, the experts one grouped matmul each way:
+    ``gate_up [E, 2I, H]`` read transposed (as transformers stores it), ``down [E, I, H]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, H)
+        self.router = nn.Linear(H, E, bias=False)
+        self.gate_up = nn.Parameter(torch.randn(E, 2 * I, H) / H ** 0.5)
+        self.down = nn.Parameter(torch.randn(E, I, H) / I ** 0.5)
+        self.norm = nn.RMSNorm(H)
+        self.head = nn.Linear(H, V, bias=False)
+
+    def forward(self, ids, labels):
+        x = self.emb(ids).flatten(0, 1)  # [S, H]
+        scores = self.router(x).softmax(-1)
+        weight, expert = scores.max(-1)
+        order = expert.argsort(stable=True)
+        counts = torch.histc(expert.float(), bins=E, min=0, max=E - 1)  # expert e's rows end at offs[e]
+        offs = counts.cumsum(0).to(torch.int32)
+        xs = x[order]
+        gate, up = torch.ops.transformers.grouped_mm_fallback(xs, self.gate_up.transpose(-2, -1), offs).chunk(2, dim=-1)
+        ys = torch.ops.transformers.grouped_mm_fallback(F.silu(gate) * up, self.down, offs)  # [S, H]
+        y = torch.empty_like(ys).index_copy(0, order, ys) * weight[:, None]
+        logits = self.head(self.norm(x + y))
+        return F.cross_entropy(logits, labels.flatten())
+
+
+def _inputs(tokens=16):
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, V, (2, tokens), generator=g), torch.randint(0, V, (2, tokens), generator=g)
+
+
+def test_grouped_matmuls_of_expert_parameters_are_linears_per_expert():
+    captured = capture(FakeTemplate(GroupedExperts(), torch.device("cpu")), _inputs(), {})
+    found = {lm.weight_name: lm for lm in find_linears(captured).values() if lm.per_group}
+    gate_up, down = found["gate_up"], found["down"]
+    assert (gate_up.out_dim, gate_up.weight_in_dim, gate_up.in_features, gate_up.out_features) == (1, 2, H, 2 * I)
+    assert (down.out_dim, down.weight_in_dim, down.in_features, down.out_features) == (2, 1, I, H)
+
+
+def test_experts_split_like_a_dense_mlp_per_expert_and_the_router_stays_whole():
+    analysis = analyze(capture(FakeTemplate(GroupedExperts(), torch.device("cpu")), _inputs(), {}), 2)
+    (region,) = analysis.regions
+    assert region.kind == "mlp" and region.row.weight_name == "down"
+    placements = parameter_placements(analysis, 2)
+    # gate and up halves of each expert's rows, each split over the ranks: two segments
+    assert placements["gate_up"].spec == DimShard(1, ((0, I), (I, I)))
+    assert placements["down"].spec == DimShard(1, ((0, I),))
+    assert "router.weight" not in placements
+    assert "neither column- nor row-parallel" in analysis.whole_reasons["router.weight"]
+
+
+def test_grouped_experts_train_like_the_original_on_simulated_ranks_and_explain_names_what_stays_whole():
+    from simulate import train_side_by_side
+
+    train_side_by_side(GroupedExperts, _inputs(), tp=2, sp=False, steps=2, rtol=1e-4, atol=1e-5)
+    with simulated_ranks(2):
+        torch.manual_seed(0)
+        pm = sptransform.parallelize(GroupedExperts(), tp=2, sp=False, example_inputs=_inputs())
+        report = pm.explain()
+        held = pm.held_share()
+    assert "held whole on every rank: 2 parameters" in report, report
+    assert "router.weight" in report.split("held whole on every rank")[1], report
+    assert held < 0.55, held
+
+
+def _one_op_graph(fn, *inputs) -> torch.fx.GraphModule:
+    from graph.test_rules import _graph
+
+    return _graph(fn, *inputs)
+
+
+def test_grouped_matmul_rule_keeps_rows_whole_and_splits_features_per_expert():
+    from graph.test_rules import _backward, _forward, _inputs as placeholders
+    from sptransform.graph.placement import PARTIAL, REPLICATED, whole
+
+    grouped = torch.ops.transformers.grouped_mm_fallback.default
+    offs = torch.tensor([3, 8], dtype=torch.int32)
+    gm = _one_op_graph(lambda x, w, o: grouped(x, w, o), torch.randn(8, 4), torch.randn(2, 4, 6), offs)
+    (x, w, o), op = placeholders(gm), next(n for n in gm.graph.nodes if n.op == "call_function")
+    column = _forward(op, {w: whole(2, 6)}, constant={w})
+    assert column.output == whole(1, 6) and column.needs == {x: REPLICATED, w: whole(2, 6), o: REPLICATED}
+    row = _forward(op, {x: whole(1, 4), w: whole(1, 4)}, constant={w})
+    assert row.output == PARTIAL and row.needs[o] == REPLICATED
+    # rows split by tokens: which rows form each group is fixed by all of them, so the op runs whole
+    assert _forward(op, {x: whole(0, 8)}).needs[x] == REPLICATED
+    assert _backward(op, whole(1, 6)) == {x: None, w: whole(2, 6), o: None}
+
+
+def test_strided_slices_of_a_whole_dim_carry_its_split_both_ways():
+    from graph.test_rules import _backward, _forward, _inputs as placeholders
+    from sptransform.graph.placement import REPLICATED, whole
+
+    gm = _one_op_graph(lambda x: torch.ops.aten.slice.Tensor(x, 1, 1, 9223372036854775807, 2), torch.randn(3, 8))
+    (x,), op = placeholders(gm), next(n for n in gm.graph.nodes if n.op == "call_function")
+    assert _backward(op, whole(1, 4)) == {x: whole(1, 8)}
+    assert _forward(op, {x: whole(1, 8)}).output == whole(1, 4)
+    # each rank's part of 6 is 3: not whole pairs, the local x[:, 1::2] would take the wrong ones
+    gm = _one_op_graph(lambda x: torch.ops.aten.slice.Tensor(x, 1, 1, 9223372036854775807, 2), torch.randn(3, 6))
+    (x,), op = placeholders(gm), next(n for n in gm.graph.nodes if n.op == "call_function")
+    assert _forward(op, {x: whole(1, 6)}).output == REPLICATED
