@@ -89,3 +89,22 @@ def test_mla_up_projections_are_column_parallel_by_heads_and_the_low_rank_ones_r
     columns = {attention.column_linears[c].weight_name: s for c, s in attention.columns.items()}
     assert columns == {"model.layers.0.self_attn.q_b_proj.weight": whole(2, 32),  # 4 heads x (nope 4 + rope 4)
                        "model.layers.0.self_attn.kv_b_proj.weight": whole(3, 32)}  # 4 heads x (k_nope 4 + v 4)
+
+
+def test_a_key_buffer_made_with_new_empty_from_a_split_tensor_keeps_the_attention_split():
+    """``key = k_own.new_empty(...)`` reads the head-split ``k_own`` for its dtype only: no reader
+    outside the region, so q / kv_b stay column-parallel and o row-parallel."""
+    import sys
+    from pathlib import Path
+
+    from sptransform.passes.canonicalize import functional_copies, remove_dead_code
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "models"))
+    import zoo
+
+    model, inputs = zoo.build("buffer_key")
+    captured = capture(FakeTemplate(model, torch.device("cpu")), inputs, {})
+    remove_dead_code(captured.gm), functional_copies(captured.gm)
+    attention = [r for r in analyze(captured, 2).regions if r.kind == "attention"]
+    assert [r.row.weight_name for r in attention] == ["attn.0.o.weight", "attn.1.o.weight"]
+    assert {attention[0].column_linears[c].weight_name for c in attention[0].columns} == {"attn.0.q.weight", "attn.0.kv_b.weight"}
