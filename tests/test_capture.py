@@ -96,3 +96,24 @@ def test_functional_copies_become_casts_or_broadcast_copies():
     src.requires_grad_()
     gm(dst, src, wide)[0].sum().backward()  # functional copy has no autograd formula; these do
     torch.testing.assert_close(src.grad, torch.ones(2, 3))
+
+
+def test_functional_copies_drop_the_slice_written_into_when_nothing_else_reads_it():
+    """MLA's key: ``k = x.new_empty(...); k[..., :8].copy_(a); k[..., 8:].copy_(b)``. Once the copies
+    are ``a`` and ``b``, the slices of ``k`` they wrote into are read by nobody; left in, they would
+    read ``k`` whole, outside the attention's tensor-parallel region."""
+    from sptransform.passes.canonicalize import functional_copies
+
+    def write_halves(a, b):
+        k = a.new_empty(2, 16)
+        first = torch.ops.aten.copy.default(k[:, :8], a)
+        k = torch.ops.aten.slice_scatter.default(k, first, 1, 0, 8)
+        second = torch.ops.aten.copy.default(k[:, 8:], b)
+        return torch.ops.aten.slice_scatter.default(k, second, 1, 8, 16)
+
+    a, b = torch.randn(2, 8), torch.randn(2, 8)
+    gm = _graph(write_halves, a, b)
+    slices = sum(n.target is aten.slice.Tensor for n in gm.graph.nodes)
+    assert functional_copies(gm) == 2
+    assert sum(n.target is aten.slice.Tensor for n in gm.graph.nodes) == slices - 2
+    torch.testing.assert_close(gm(a, b)[0], torch.cat([a, b], 1))

@@ -35,6 +35,7 @@ import torch.fx as fx
 from sptransform.capture import CapturedGraph
 from sptransform.graph.nodes import describe, is_grouped_mm, packet, shape_of
 from sptransform.graph.placement import DimShard, ParamPlacement, whole
+from sptransform.graph.rules.forward import READS_METADATA_ONLY
 from sptransform.graph.rules import (
     CUT, ShardingError, input_specs_for_output, is_getitem, is_split, slice_bounds, slices_input_spec, split_chunks,
     split_dim, split_input_spec,
@@ -437,7 +438,7 @@ def trace_region(
     inside = set(specs) | {row.node}
     for node in specs:
         for user in node.users:
-            if user not in inside:
+            if user not in inside and packet(user) not in READS_METADATA_ONLY:  # new_empty: dtype and device
                 raise ShardingError(f"{describe(node)} is used outside the tensor-parallel region by {describe(user)}")
     kind = "attention" if any(
         packet(n) in (aten.scaled_dot_product_attention, aten.softmax, aten._softmax) for n in specs

@@ -21,7 +21,8 @@ rank's query heads find theirs in a split of the repeated ones.
 
 ``functional_copies``: the functional ``copy`` that functionalization leaves where a model
 wrote ``buf[...].copy_(x)`` has no autograd formula; it is ``x`` cast to ``buf``'s dtype and
-broadcast to its shape, which is what it becomes.
+broadcast to its shape, which is what it becomes; the slice it wrote into goes when nothing
+else reads it.
 
     before:  c = copy(slice(buf, 3, 0, 8), x)
     after:   c = _to_copy(x, dtype=buf.dtype)                      # same shape
@@ -125,6 +126,10 @@ def functional_copies(gm: fx.GraphModule) -> int:
             else:
                 new = gm.graph.call_function(aten.clone.default, (value,))
         _take_over(gm, node, new)
+        if not dst.users and packet(dst) is aten.slice:
+            # The written-to view has no reader left; kept, it would read the buffer as a whole
+            # tensor and stand between the buffer and a tensor-parallel region.
+            gm.graph.erase_node(dst)
         changed += 1
     if changed:
         gm.recompile()

@@ -65,3 +65,46 @@ def test_multihead_attentions_fused_in_proj_is_split_per_head_in_q_k_v_segments(
     (spec,) = attention[0].columns.values()
     assert spec == DimShard(2, ((0, 32), (32, 32), (64, 32)))  # [q|k|v], each split per head
     assert attention[0].row.weight_name == "enc.layers.0.self_attn.out_proj.weight"
+
+
+def test_mla_up_projections_are_column_parallel_by_heads_and_the_low_rank_ones_replicated():
+    """DeepSeek-V3's attention: q_a -> norm -> q_b; kv_a -> (latent | rope) -> norm -> kv_b -> (k_nope | v);
+    the key assembled from k_nope and the shared rope part by writes into a ``new_empty`` buffer."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    from sptransform.passes.canonicalize import functional_copies, remove_dead_code
+
+    config = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, first_k_dense_replace=1,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4,
+        qk_nope_head_dim=4, v_head_dim=4, max_position_embeddings=32, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM._from_config(config, attn_implementation="sdpa")
+    ids = torch.randint(0, 64, (2, 8))
+    captured = capture(FakeTemplate(model, torch.device("cpu")), (), dict(input_ids=ids, labels=ids))
+    remove_dead_code(captured.gm), functional_copies(captured.gm)  # as the pass list runs them
+    attention = analyze(captured, 2).regions[0]
+    assert attention.kind == "attention" and attention.row.weight_name == "model.layers.0.self_attn.o_proj.weight"
+    columns = {attention.column_linears[c].weight_name: s for c, s in attention.columns.items()}
+    assert columns == {"model.layers.0.self_attn.q_b_proj.weight": whole(2, 32),  # 4 heads x (nope 4 + rope 4)
+                       "model.layers.0.self_attn.kv_b_proj.weight": whole(3, 32)}  # 4 heads x (k_nope 4 + v 4)
+
+
+def test_a_key_buffer_made_with_new_empty_from_a_split_tensor_keeps_the_attention_split():
+    """``key = k_own.new_empty(...)`` reads the head-split ``k_own`` for its dtype only: no reader
+    outside the region, so q / kv_b stay column-parallel and o row-parallel."""
+    import sys
+    from pathlib import Path
+
+    from sptransform.passes.canonicalize import functional_copies, remove_dead_code
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "models"))
+    import zoo
+
+    model, inputs = zoo.build("buffer_key")
+    captured = capture(FakeTemplate(model, torch.device("cpu")), inputs, {})
+    remove_dead_code(captured.gm), functional_copies(captured.gm)
+    attention = [r for r in analyze(captured, 2).regions if r.kind == "attention"]
+    assert [r.row.weight_name for r in attention] == ["attn.0.o.weight", "attn.1.o.weight"]
+    assert {attention[0].column_linears[c].weight_name for c in attention[0].columns} == {"attn.0.q.weight", "attn.0.kv_b.weight"}

@@ -271,3 +271,17 @@ def slice_forward(node: fx.Node, links: LinksRule | None, current: dict, ctx: Ru
         return Decision({x: spec}, out) if out is not None else Decision({x: REPLICATED}, REPLICATED)
     return linked_forward(node, links, current, ctx)
 
+
+
+# ---------------------------------------------------------------------------
+# factories that read a tensor for its dtype and device only
+
+READS_METADATA_ONLY = frozenset({aten.new_empty, aten.new_zeros, aten.new_ones, aten.new_full})
+"""``x.new_empty(size)`` and kin: the size is an argument, ``x`` gives only dtype and device."""
+
+
+def metadata_forward(node: fx.Node, links: LinksRule | None, current: dict, ctx: RuleContext) -> Decision | None:
+    """The input is read where it is (gathering it would move data nobody reads); the output,
+    of the size the arguments give, is whole on every rank (MLA's key buffer is made this way
+    from a head-split tensor)."""
+    return Decision(dict(current), replicated_like(node))

@@ -12,8 +12,8 @@ order) answers with a ``Decision``. In order:
 1. every tensor input replicated -> the op runs as is, output replicated (any op);
 2. our forward rule, for the ops the training IR keeps whole and the ones whose splits we track
    in fused segments: views, layout and pointwise ops, reductions, splits, matmuls (a
-   contraction over split dims is a partial sum), norms, softmax, SDPA, embedding and
-   cross-entropy (vocabulary-parallel);
+   contraction over split dims is a partial sum), norms, softmax, SDPA, embedding,
+   cross-entropy (vocabulary-parallel), and ``new_empty`` and kin (the input read where it is);
 3. DTensor's strategies for every other ATen op;
 4. none applies: every input is gathered to replicated and the op runs whole on every rank.
 
@@ -51,8 +51,8 @@ from sptransform.graph.rules.base import (
 )
 from sptransform.graph.rules.dtensor import dtensor_backward, dtensor_forward
 from sptransform.graph.rules.forward import (
-    cross_entropy_forward, embedding_forward, grouped_mm_forward, linked_forward, matmul_forward, reduction_forward, sdpa_forward,
-    slice_forward, split_forward, view_forward,
+    READS_METADATA_ONLY, cross_entropy_forward, embedding_forward, grouped_mm_forward, linked_forward, matmul_forward,
+    metadata_forward, reduction_forward, sdpa_forward, slice_forward, split_forward, view_forward,
 )
 from sptransform.graph.rules.geometry import SPLIT_PACKETS, VIEWS
 from sptransform.graph.rules.links import (
@@ -112,6 +112,7 @@ RULES: dict[object, OpRule] = {
     aten.scaled_dot_product_attention: OpRule(sdpa_links, sdpa_forward, linked_backward),
     aten.embedding: OpRule(embedding_links, embedding_forward, linked_backward),
     aten.cross_entropy_loss: OpRule(None, cross_entropy_forward, None),
+    **{p: OpRule(None, metadata_forward, None) for p in READS_METADATA_ONLY},
 }
 
 
