@@ -34,7 +34,8 @@ ranks share can serve one rank's compiled graph to the other.
 The last table has every side once: step time as median, min and max over the timed steps
 (interleaved with the other sides'; each step's time is its slowest rank's), the ratio to the
 DTensor side of the same sp and mode, and from one profiled step (``StepProfile``) the
-collectives gloo ran, the ``wait_tensor`` and ``aten::fill_`` calls, and the peak memory.
+collectives gloo ran, the ``wait_tensor`` and ``aten::fill_`` calls, and the peak memory;
+``--ops N`` also lists each side's N ops with the most self CPU time in that step.
 
 The launcher, the collective counter, the timing loop and the table are shared with
 ``tp_vs_hf_auto.py``, which imports them from here.
@@ -814,8 +815,14 @@ def dtensor_worker(args: argparse.Namespace) -> dict:
 
         def make() -> Side:
             model = dtensor_gpt2(copy.deepcopy(edited), args.tp, sp)
-            compiled = torch.compile(model)
-            return Side(name, model, lambda m: hf_loss(compiled), context=loss_parallel,
+            # The compiled region returns the loss alone: with the logits (a DTensor that requires
+            # grad) among its outputs and backward() on the loss only, AOTAutograd meets a plain
+            # zero tangent where it guessed a DTensor one and raises (measured at 4 layers, sp=True;
+            # pytorch/pytorch#173123). sptransform's side returns the logits too (built outside
+            # its region), so this gives the anchor no less than ours.
+            compiled = torch.compile(lambda **kwargs: model(**kwargs).loss)
+            return Side(name, model, lambda m: compiled(input_ids=ids, labels=labels, use_cache=False),
+                        context=loss_parallel,
                         note="Conv1D->nn.Linear, c_attn->q/k/v, attn.split_size=hidden/tp", count_collectives=False,
                         extra={"replicated_params": replicated_dtensor_params(model)})
         make.side_name = name
