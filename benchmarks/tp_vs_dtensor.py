@@ -815,14 +815,8 @@ def dtensor_worker(args: argparse.Namespace) -> dict:
 
         def make() -> Side:
             model = dtensor_gpt2(copy.deepcopy(edited), args.tp, sp)
-            # The compiled region returns the loss alone: with the logits (a DTensor that requires
-            # grad) among its outputs and backward() on the loss only, AOTAutograd meets a plain
-            # zero tangent where it guessed a DTensor one and raises (measured at 4 layers, sp=True;
-            # pytorch/pytorch#173123). sptransform's side returns the logits too (built outside
-            # its region), so this gives the anchor no less than ours.
-            compiled = torch.compile(lambda **kwargs: model(**kwargs).loss)
-            return Side(name, model, lambda m: compiled(input_ids=ids, labels=labels, use_cache=False),
-                        context=loss_parallel,
+            compiled = torch.compile(model)
+            return Side(name, model, lambda m: hf_loss(compiled), context=loss_parallel,
                         note="Conv1D->nn.Linear, c_attn->q/k/v, attn.split_size=hidden/tp", count_collectives=False,
                         extra={"replicated_params": replicated_dtensor_params(model)})
         make.side_name = name
