@@ -34,7 +34,8 @@ ranks share can serve one rank's compiled graph to the other.
 The last table has every side once: step time as median, min and max over the timed steps
 (interleaved with the other sides'; each step's time is its slowest rank's), the ratio to the
 DTensor side of the same sp and mode, and from one profiled step (``StepProfile``) the
-collectives gloo ran, the ``wait_tensor`` and ``aten::fill_`` calls, and the peak memory.
+collectives gloo ran, the ``wait_tensor`` and ``aten::fill_`` calls, and the peak memory;
+``--ops N`` also lists each side's N ops with the most self CPU time in that step.
 
 The launcher, the collective counter, the timing loop and the table are shared with
 ``tp_vs_hf_auto.py``, which imports them from here.
@@ -324,11 +325,20 @@ class StepProfile:
         for _, change in memory:
             live += change
             peak = max(peak, live)
+        # per op: calls and self CPU time (the op's own, without its children), the figures that
+        # say where one side's step spends more than the other's
+        ops: dict[str, list[float]] = {}
+        for e in events:
+            row = ops.setdefault(e.name, [0, 0.0])
+            row[0] += 1
+            row[1] += e.self_cpu_time_total / 1e3
         self.counts = {
             "collectives": sum(1 for n in names if n.startswith("gloo:")),
             "waits": sum(1 for n in names if n.endswith("::wait_tensor")),
             "fills": names.count("aten::fill_"),
+            "copies": names.count("aten::copy_"),
             "peak_mib": peak / 2**20,
+            "ops": {name: {"calls": int(c), "self_ms": ms} for name, (c, ms) in ops.items()},
         }
         return False
 
@@ -523,6 +533,21 @@ def summary_table(results: list[dict], reference: float) -> str:
             f"{p['peak_mib']:.1f}" if "peak_mib" in p else "-",
         ])
     return render_table(rows, header)
+
+
+def op_lines(results: list[dict], top: int) -> list[str]:
+    """Per side, the ``top`` ops by self CPU time in the profiled step of rank 0 (calls, ms)."""
+    out = []
+    for r in results:
+        ops = (r.get("profiled") or {}).get("ops")
+        if not ops:
+            continue
+        total = sum(v["self_ms"] for v in ops.values())
+        out.append(f"{r['side']}: profiled step, self CPU {total:.1f} ms in {sum(v['calls'] for v in ops.values())} "
+                   f"events; top {top} by self CPU (calls, ms):")
+        ranked = sorted(ops.items(), key=lambda kv: -kv[1]["self_ms"])[:top]
+        out += [f"    {name[:70]:70s} {v['calls']:6d} {v['self_ms']:9.2f}" for name, v in ranked]
+    return out
 
 
 def ratio_lines(results: list[dict], pairs: list[tuple[str, str]]) -> list[str]:
@@ -820,6 +845,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the sides whose name contains one of these words (e.g. torch.compile)")
     parser.add_argument("--no-profile", dest="profile", action="store_false",
                         help="skip the profiled step (collectives, waits, fill_ and peak memory per step)")
+    parser.add_argument("--ops", type=int, default=0, metavar="N",
+                        help="also list each side's N ops with the most self CPU time in the profiled step")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     result = launch(dtensor_worker, args)
@@ -843,6 +870,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         lines += ["", "one table (each step's time is the slowest rank's; per step: from one profiled step of rank 0):",
                   summary_table(result["results"], ref["original"])]
+        if args.ops:
+            lines += ["", *op_lines(result["results"], args.ops)]
     finish(args, f"HF GPT-2, {a.layers} layers, hidden {a.hidden}, {a.heads} heads, vocab {a.vocab}, seq {a.seq}, "
                  f"batch {a.batch}, tp={a.tp} on CPU/gloo, {a.threads} thread(s)/rank, AdamW, median of {a.steps} steps",
            result, lines)

@@ -258,8 +258,10 @@ def _content(t: torch.Tensor) -> torch.Tensor:
     if t.is_floating_point():
         t = t.contiguous().view(_BITS[t.element_size()])
     x = t.reshape(-1).to(torch.int64)
-    weights = torch.arange(1, x.numel() + 1, dtype=torch.int64, device=x.device)
-    return (x.sum() * 1000003 + (x * weights).sum()) & _MASK
+    # sum(x) * 1000003 + sum(x * position) in one reduction (int64 wraps alike either way): each
+    # reduction is an op call and a fill of its output per input per call
+    weights = torch.arange(1000004, 1000004 + x.numel(), dtype=torch.int64, device=x.device)
+    return (x * weights).sum() & _MASK
 
 
 def fingerprint(args: tuple, kwargs: dict, mode_key: tuple, failed: bool, device: torch.device) -> list[torch.Tensor]:
@@ -270,35 +272,40 @@ def fingerprint(args: tuple, kwargs: dict, mode_key: tuple, failed: bool, device
 
 
 def _fingerprint(args: tuple, kwargs: dict, mode_key: tuple, failed: bool, device: torch.device) -> list[torch.Tensor]:
+    # Built from Python ints and the inputs' content hashes in one ``cat``: no zero-filled
+    # buffer written slot by slot (each was an ``aten::fill_`` and a few indexing ops per call).
     if failed:
-        row = torch.zeros(FINGERPRINT, dtype=torch.int64, device=device)
-        row[0] = 1
-        return [row]
+        return [torch.tensor([1] + [0] * (FINGERPRINT - 1), dtype=torch.int64, device=device)]
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
     structure = stable_hash(str(spec), [("T",) if isinstance(x, torch.Tensor) else ("V", repr(x)) for x in leaves])
-    head = torch.tensor([0, stable_hash(mode_key), structure], dtype=torch.int64, device=device)
-    metas = torch.zeros(LEAF_SLOTS + 1, dtype=torch.int64, device=device)
-    rest_meta = []
     tensors = [(i, x) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    metas = [0] * LEAF_SLOTS
+    rest_meta = []
     for i, x in tensors:
         meta = stable_hash(tuple(x.shape), str(x.dtype))
         if i < LEAF_SLOTS:
             metas[i] = meta
         else:
             rest_meta.append(meta)
-    metas[LEAF_SLOTS] = stable_hash(rest_meta)
+    rest_meta_hash = (stable_hash(rest_meta) * 1000003) & _MASK  # < 2**62: the sum below stays in int64
+    # layout: flag, mode, structure, metas[0..L), contents[0..L), rest (metas and contents)
+    head = torch.tensor([0, stable_hash(mode_key), structure, *metas], dtype=torch.int64, device=device)
+    zero = torch.tensor(0, dtype=torch.int64, device=device)  # an empty slot
     ranks = max((len(_per_rank(x)) for _, x in tensors), default=1)
     rows = []
     for r in range(ranks):
-        contents = torch.zeros(LEAF_SLOTS + 1, dtype=torch.int64, device=device)
+        contents: list[torch.Tensor | None] = [None] * LEAF_SLOTS
+        rest = None
         for i, x in tensors:
             values = _per_rank(x)
             value = _content(values[r if len(values) > 1 else 0]).to(device)
-            slot = min(i, LEAF_SLOTS)
-            contents[slot] = (contents[slot] * 31 + value) & _MASK if slot == LEAF_SLOTS else value
-        # layout: flag, mode, structure, metas[0..L), contents[0..L), rest (metas and contents)
-        rest = (metas[LEAF_SLOTS] * 1000003 + contents[LEAF_SLOTS]) & _MASK
-        rows.append(torch.cat([head, metas[:LEAF_SLOTS], contents[:LEAF_SLOTS], rest.reshape(1)]))
+            if i < LEAF_SLOTS:
+                contents[i] = value
+            else:
+                rest = value if rest is None else (rest * 31 + value) & _MASK
+        rest = ((rest if rest is not None else zero) + rest_meta_hash) & _MASK
+        slots = [c if c is not None else zero for c in contents]
+        rows.append(torch.cat([head, torch.stack([*slots, rest])]))
     return rows
 
 
@@ -313,9 +320,10 @@ def gather_fingerprints(rows: list[torch.Tensor], groups: Sequence[dist.ProcessG
         size = dist.get_world_size(group)
         if size == 1:
             continue
-        parts = [torch.empty_like(gathered) for _ in range(size)]
-        dist.all_gather(parts, gathered.contiguous(), group=group)
-        gathered = torch.cat(parts)
+        # one output buffer, no list of parts to concatenate after
+        out = gathered.new_empty((size * gathered.shape[0], gathered.shape[1]))
+        dist.all_gather_into_tensor(out, gathered.contiguous(), group=group)
+        gathered = out
     return gathered.tolist()
 
 

@@ -53,8 +53,11 @@ def _waited(out: torch.Tensor) -> torch.Tensor:
     ``AsyncCollectiveTensor``, waited here; traced (``torch.compile``, AOTAutograd) funcol has
     already put the ``wait_tensor`` node after the collective, and a second one would be a second
     wait per collective in every compiled graph (measured: 24 waits for 12 all-reduces in the
-    forward of a 4-layer GPT-2, tp=2)."""
-    return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
+    forward of a 4-layer GPT-2, tp=2). Eagerly, ``trigger_wait`` waits once and returns the plain
+    result; ``funcol.wait_tensor`` on the ``AsyncCollectiveTensor`` went through its Python
+    dispatch, which waits to unwrap it and then runs ``wait_tensor`` on the result again (3
+    ``wait_tensor`` calls per collective in an eager step, profiled: 27 for 9 all-reduces)."""
+    return out.trigger_wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
 
 
 def _all_reduce_later(x: torch.Tensor, group: str, naming=None) -> torch.Tensor:

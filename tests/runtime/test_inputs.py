@@ -247,3 +247,47 @@ def test_a_float_input_that_requires_grad_and_is_cut_to_the_sequence_split_is_re
         pm = sptransform.parallelize(model, tp=2, sp=True, example_inputs=(_ids(), _ids(), bias))
         with pytest.raises(ValueError, match=r"requires grad and is split along the sequence.*detach it, or pass sp=False"):
             pm(_ids(), _ids(), bias.clone().requires_grad_())
+
+
+def test_the_per_call_fingerprint_fills_no_buffer_and_tells_inputs_apart():
+    """The fingerprint every call all-gathers (``check_inputs``) is built from Python ints and the
+    inputs' content hashes in one ``cat``: no zero-filled buffer and one reduction per input (it
+    was 6 ``aten::fill_`` per call with two inputs, in every profiled step, compiled or not), and
+    still one slot per input that differs when the input's values, shape or dtype do, and a last
+    slot for the inputs after the first six."""
+    from torch.profiler import profile
+
+    from sptransform.runtime.checks import FINGERPRINT, LEAF_SLOTS, fingerprint
+
+    ids, labels = _ids(), _ids()
+    many = {f"x{i}": torch.arange(4) + i for i in range(LEAF_SLOTS + 2)}  # two inputs past the slots
+
+    def row(**kwargs):
+        (out,) = fingerprint((), kwargs, (True,), False, torch.device("cpu"))
+        assert out.dtype == torch.int64 and out.shape == (FINGERPRINT,)
+        return out.tolist()
+
+    with profile() as prof:
+        row(input_ids=ids, labels=labels, use_cache=False)
+    events = prof.events()
+    # the only fills: the output of the one reduction per input tensor (its hash)
+    assert [e.name for e in events if e.name == "aten::zeros"] == []
+    fills = [e.cpu_parent.name if e.cpu_parent else None for e in events if e.name == "aten::fill_"]
+    assert fills == ["aten::sum", "aten::sum"], fills
+
+    base = row(input_ids=ids, labels=labels, use_cache=False)
+    assert row(input_ids=ids.clone(), labels=labels.clone(), use_cache=False) == base
+    changed = labels.clone()
+    changed[0, 0] = (changed[0, 0] + 1) % VOCAB
+    differs = [c for c, (a, b) in enumerate(zip(base, row(input_ids=ids, labels=changed, use_cache=False))) if a != b]
+    assert differs == [3 + LEAF_SLOTS + 1], differs  # the values slot of input 1 ('labels')
+    differs = [c for c, (a, b) in enumerate(zip(base, row(input_ids=ids, labels=labels[:, :8], use_cache=False)))
+               if a != b]
+    assert 3 + 1 in differs, differs  # the shape slot of 'labels'
+    last = row(**many)
+    for key in (f"x{LEAF_SLOTS}", f"x{LEAF_SLOTS + 1}"):
+        other = row(**{**many, key: many[key] + 1})
+        assert [c for c, (a, b) in enumerate(zip(last, other)) if a != b] == [FINGERPRINT - 1], key
+    assert row(**{**many, f"x{LEAF_SLOTS}": many[f"x{LEAF_SLOTS}"][:3]})[-1] != last[-1]
+    failed = fingerprint((), {"input_ids": ids}, (True,), True, torch.device("cpu"))[0].tolist()
+    assert failed == [1] + [0] * (FINGERPRINT - 1)
