@@ -194,6 +194,7 @@ def _unequal_tokens(kind: str, *, tp: int, zero: int, dp_loss: str, pp: int = 1)
 
 
 def _worker(rank: int, world: int, port: int, cases: list, results: dict) -> None:
+    torch.set_num_threads(1)  # 4 or 8 ranks share two cores: more threads only contend
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
     try:
