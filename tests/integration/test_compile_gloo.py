@@ -4,31 +4,41 @@ the default inductor backend, each trained beside the single-device HF GPT-2 it 
 every recompute policy compiled on attention code whose layouts inductor's decompositions
 change (litgpt-style ``LayoutLM``, hypothesis over its layouts).
 
-One process group for every case (spawning and importing are the slow part); each rank trains
-the single-device reference itself and compares the loss and every gathered gradient."""
+A warm compile cache is safe: a second job of the same compiled tp=2 model shares the first
+one's on-disk cache folder (``TORCHINDUCTOR_CACHE_DIR``, as every rank of a machine does by
+default) and still equals the single device in the loss, the logits and every gradient. Its
+vocabulary (61 over 2 ranks) is uneven, so each rank's graph is specialised on its rank
+(``narrow_vocab`` keeps 31 columns on rank 0 and 30 on rank 1): a cache entry served to the
+wrong rank would return logits of the wrong width or the wrong columns.
+
+Two spawned jobs in all (spawning, importing and inductor's first compile in a process are the
+slow part): the first runs every case and fills the cache (cold), the second finds it warm;
+each rank trains the single-device reference itself and compares the loss and every gathered
+gradient."""
 
 from __future__ import annotations
 
 import copy
 import datetime
+import json
 import os
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
-from simulate import free_port, spawn_with_deadline
+from simulate import spawn_with_deadline
 from tiny_models import LayoutConfig, LayoutLM
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 257  # the vocab-parallel head's last shard is narrower (padded)
+CACHE_VOCAB = 61  # uneven over tp=2: the ranks' graphs differ
 
 
 def _gpt2(layers: int = 1, dropout: float = 0.0):  # one block: inductor's compile time grows with the graph
@@ -141,26 +151,6 @@ def _torch_compile_trains_from_loss_beside_dtensor_logits(world: int) -> None:
     assert _inductor_graphs() - before >= 4, _inductor_graphs() - before
 
 
-def _worker(rank: int, world: int, port: int) -> None:
-    torch.set_num_threads(1)  # two ranks share two cores
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
-    try:
-        for case in (_recompute_compiled_with_inductor, _pipeline_stages_compiled_with_inductor,
-                     _torch_compile_trains_from_loss_beside_dtensor_logits):
-            t = time.perf_counter()
-            case(world)
-            if rank == 0 and os.environ.get("SPTRANSFORM_TEST_TIMES"):
-                print(f"{case.__name__}: {time.perf_counter() - t:.1f} s", flush=True)
-        dist.barrier()  # no rank tears its connections down while another still uses them
-    finally:
-        dist.destroy_process_group()
-
-
-def test_inductor_compiled_parallel_gpt2_trains_like_one_device():
-    mp.spawn(_worker, args=(2, free_port()), nprocs=2, join=True)
-
-
 # Each example compiles a forward and a backward with inductor on both ranks (the slow part):
 # the explicit examples cover every policy and both attentions, the draws add layouts. No
 # shrinking: both ranks must run the same examples in the same order.
@@ -197,19 +187,85 @@ def _layouts_compiled_with_inductor(config: LayoutConfig, policy) -> None:
         print(f"{what}: {time.perf_counter() - start:.1f} s", flush=True)
 
 
-def _layouts_worker(rank: int, world: int, port: int) -> None:
+def _cache_gpt2():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=CACHE_VOCAB, n_positions=32,
+                                     attn_implementation="eager", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(config).train()
+
+
+def _fx_graph_cache() -> dict[str, int]:
+    """Inductor's FX graph cache lookups in this process so far: hits, misses, bypasses."""
+    from torch._dynamo.utils import counters
+
+    seen = counters["inductor"]
+    return {what: seen[f"fxgraph_cache_{what}"] for what in ("hit", "miss", "bypass")}
+
+
+def _one_step_like_one_device(how: str, world: int) -> dict[str, int]:
+    """One forward and backward of the tp=``world`` module compiled ``how``, checked against the
+    single device (loss, logits, every gradient); returns this case's FX graph cache lookups."""
+    import sptransform
+
+    model = _cache_gpt2()
+    ref = copy.deepcopy(model)
+    torch.manual_seed(1)
+    batch = dict(input_ids=torch.randint(0, CACHE_VOCAB, (2, 8)), labels=torch.randint(0, CACHE_VOCAB, (2, 8)))
+    ref_out = ref(**batch)
+    ref_out.loss.backward()
+    before = _fx_graph_cache()
+    if how == "torch.compile":
+        pm = sptransform.parallelize(model, tp=world, example_inputs=batch)
+        out = torch.compile(pm)(**batch)
+    else:
+        pm = sptransform.parallelize(model, tp=world, example_inputs=batch, recompute="selective", compile="inductor")
+        out = pm(**batch)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss.detach(), ref_out.loss.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.logits.full_tensor(), ref_out.logits.detach(), rtol=1e-4, atol=1e-5)
+    ref_params = dict(ref.named_parameters())
+    for name, p in pm.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, n=name: f"{how}: grad of {n}: {m}")
+    return {what: n - before[what] for what, n in _fx_graph_cache().items()}
+
+
+def _worker(rank: int, world: int, port: int, run: str, report: str) -> None:
     torch.set_num_threads(1)  # two ranks share two cores
     from torch._inductor import config as inductor_config
 
     inductor_config.compile_threads = 1  # no pool of compile workers beside the two ranks (a spawned process)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=200))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
     try:
-        _layouts_compiled_with_inductor()
-        dist.barrier()
+        cases = [_recompute_compiled_with_inductor, _pipeline_stages_compiled_with_inductor,
+                 _torch_compile_trains_from_loss_beside_dtensor_logits,
+                 lambda world: _layouts_compiled_with_inductor()] if run == "cold" else []
+        for case in cases:
+            t = time.perf_counter()
+            case(world)
+            if rank == 0 and os.environ.get("SPTRANSFORM_TEST_TIMES"):
+                print(f"{getattr(case, '__name__', case)}: {time.perf_counter() - t:.1f} s", flush=True)
+        torch._dynamo.reset()  # the cache cases start as in a fresh process (the cache folder aside)
+        lookups = {how: _one_step_like_one_device(how, world) for how in ("torch.compile", "inductor")}
+        with open(f"{report}.rank{rank}.json", "w") as f:
+            json.dump(lookups, f)
+        dist.barrier()  # no rank tears its connections down while another still uses them
     finally:
         dist.destroy_process_group()
 
 
-def test_every_recompute_policy_compiled_by_inductor_trains_like_one_device_for_attention_layouts():
-    spawn_with_deadline(_layouts_worker, 2, 300)
+def test_inductor_compiled_parallel_models_train_like_one_device_also_from_a_warm_cache(tmp_path, monkeypatch):
+    """Every run equals the single device whatever the cache serves. What torch 2.13 serves here
+    (measured): nothing across processes. ``compile="inductor"``: inductor's FX graph cache
+    bypasses sptransform's partitioned graphs. ``torch.compile(pm)``: AOTAutograd's cache
+    bypasses the graph, and the FX graph cache key pickled from the DTensor parameters'
+    DeviceMesh inputs differs from process to process, so the warm run misses and compiles
+    again. Should a later torch serve these graphs, this test checks that each rank gets its own."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))  # both jobs, both ranks
+    for run, deadline_s in (("cold", 1200), ("warm", 600)):  # minutes only on a loaded 2-core machine
+        spawn_with_deadline(_worker, 2, deadline_s, run, str(tmp_path / run))
+        for rank in range(2):
+            lookups = json.loads((tmp_path / f"{run}.rank{rank}.json").read_text())
+            for how, seen in lookups.items():  # the cache was asked for a forward and a backward
+                assert sum(seen.values()) >= 2, (run, rank, how, seen)
