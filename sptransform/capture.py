@@ -240,19 +240,21 @@ def _capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph
         if spec.kind != InputKind.CONSTANT_TENSOR or name in buffers:
             continue  # a non-persistent buffer: its value comes from the real module
         value = ep.constants[name]
+        writes = _writes_into(ep.graph_module, placeholder)
+        if writes:  # ``self.weight.data.clamp_()``: export lifts the alias as a constant it writes into.
+            # Checked whatever the constant's type: under simulated ranks it is not a FakeTensor,
+            # and a write missed there made the simulated module silently different (Gemma 3n).
+            mutated.extend(f"a .data/.detach() alias of a parameter or buffer, written by {describe(w)}"
+                           for w in writes)
+            continue
         if isinstance(value, FakeTensor):
             own = _template_state_of(template, value)
-            if own is not None and not _writes_into(ep.graph_module, placeholder):
+            if own is not None:
                 # The template's own fake parameter held by a functools.partial (or any object export's
                 # parameter swap does not reach): the parameter itself.
                 state_names[state_names.index(name)] = own
                 if own in template.param_names:
                     params.add(own)
-                continue
-            writes = _writes_into(ep.graph_module, placeholder)
-            if writes:  # ``self.weight.data.clamp_()``: export lifts the alias as a constant it writes into
-                mutated.extend(f"a .data/.detach() alias of a parameter or buffer, written by {describe(w)}"
-                               for w in writes)
                 continue
             raise ValueError(
                 f"the model creates the tensor constant {name!r} inside forward; sptransform "
@@ -268,6 +270,14 @@ def _capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph
             foreign.append(f"{name}: {template.foreign_storage[_storage_ptr(value)]}")
             continue
         constants[name] = value
+    # A write through an alias export does not report: ``w.data.clamp_()`` can also be traced as
+    # ``clamp_(detach(w))`` (which of the two depends on the fake tensors: simulated ranks got
+    # this one), and the captured graph would then leave ``w`` unchanged.
+    reported = {spec.target for spec in signature.output_specs if spec.kind != OutputKind.USER_OUTPUT}
+    for placeholder, spec in zip(placeholders, signature.input_specs):
+        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER) and spec.target not in reported:
+            mutated.extend(f"an alias of {spec.target!r} ({spec.kind.name}), written by {describe(w)}"
+                           for w in _writes_into(ep.graph_module, placeholder))
     if mutated:
         raise ValueError(
             f"the model's forward mutates {_sites(mutated)}. sptransform supports "
