@@ -268,7 +268,8 @@ SUBSET: dict[str, tuple] = {
     "bart": (EQUAL, EQUAL),                          # decoder of an encoder-decoder (cross-attention unused)
     "gpt_neox": (EQUAL, EQUAL),                      # partial rotary, parallel residual, per-head fused QKV
     "bloom": ("refused", "refused"),                 # ALiBi built from an attention mask
-    "mixtral": ("refused", "refused"),               # MoE with data-dependent routing
+    "mixtral": (EQUAL, EQUAL),                       # MoE: grouped_mm experts split per expert (was refused:
+    #   data-dependent routing, before transformers' grouped_mm path)
     "falcon": (EQUAL, EQUAL),                        # multi-query fused QKV: attention replicated, MLP split
     "mamba": ("refused", "refused"),                 # SSM, no attention
     "qwen3": (EQUAL, EQUAL),                         # per-head q/k norms (weight * x)
