@@ -1,18 +1,16 @@
 """Tokens per second of ``pm.generate`` (tp ranks, gloo, CPU) against the single-device model.
 
 One invocation builds a random HF GPT-2 or Llama and greedily generates ``--new`` tokens for a
-``--batch`` of ``--prompt``-token prompts, three ways:
+``--batch`` of ``--prompt``-token prompts, four ways:
 
 * ``hf``: the single-device model's own ``model.generate`` (with its KV cache);
 * ``no-cache``: ``sptransform.generate(model, ...)`` on the single-device model: the same loop as
   the parallel side (each step reruns the whole padded sequence), so the ratio to it is the
   cost of tensor parallelism alone;
-* ``tp``: ``pm.generate`` on ``--tp`` spawned gloo ranks;
-* ``tp+cache``: a **prototype** KV cache on the same ranks (``CacheStep`` below, greedy, no mask,
-  not in the library): ``parallelize`` (sp=False) of a wrapper whose forward takes the cache as
-  inputs and returns the new token's K/V, two graphs (prefill, decode against a fixed-length
-  cache whose unused slots the mask hides). It measures what a cache buys; its cache is whole on
-  every rank (the TP pass places graph inputs Replicate), not split by heads as issue 19 asks.
+* ``tp``: ``pm.generate(..., use_cache=False)`` on ``--tp`` spawned gloo ranks (every step the
+  whole padded sequence);
+* ``tp+cache``: ``pm.generate`` on the same ranks with its KV cache (``runtime.kv_cache``: a
+  prefill graph, then one decode graph per token; each rank holds its K/V heads).
 
 Each side runs once untimed (the parallel side captures its graph then: printed as ``first
 call``), then ``--runs`` timed runs; printed: median seconds, tokens/s, and whether the tokens
@@ -69,62 +67,6 @@ def timed(generate, args: argparse.Namespace) -> dict:
     return dict(first_s=first, median_s=statistics.median(times), tokens=tokens)
 
 
-class CacheStep(torch.nn.Module):
-    """An HF causal LM run against a cache given as tensors: ``forward(ids, position_ids, attention_mask,
-    k0, v0, k1, v1, ...)`` -> (logits, the new tokens' K and V per layer). Functional (no cache object
-    survives the call), so capture sees no mutation."""
-
-    def __init__(self, model: torch.nn.Module, layers: int):
-        super().__init__()
-        self.model, self.layers = model, layers
-
-    def forward(self, ids, position_ids, attention_mask, *cache):
-        from transformers import DynamicCache
-
-        past = DynamicCache(config=self.model.config)
-        for layer in range(self.layers):
-            past.update(cache[2 * layer], cache[2 * layer + 1], layer)
-        out = self.model(ids, position_ids=position_ids, attention_mask=attention_mask, past_key_values=past,
-                         use_cache=True)
-        new = ids.shape[1]
-        kv = [t[:, :, -new:] for layer in out.past_key_values.layers[: self.layers] for t in (layer.keys, layer.values)]
-        return (out.logits, *kv)
-
-
-def cache_shapes(model: torch.nn.Module, batch: int) -> list[tuple[int, int]]:
-    """(K/V heads, head size) of each layer's cache, read from one single-device token."""
-    with torch.no_grad():
-        past = model(torch.zeros(batch, 1, dtype=torch.long), use_cache=True).past_key_values
-    return [(layer.keys.shape[1], layer.keys.shape[3]) for layer in past.layers]
-
-
-def cached_greedy(step, shapes, ids: torch.Tensor, new: int, dtype) -> torch.Tensor:
-    """Greedy tokens from ``step`` (a ``CacheStep``, parallel or not): prefill on the prompt, then one
-    token a step against a cache of prompt + new slots; the mask hides the slots not yet written."""
-    batch, prompt = ids.shape
-    length = prompt + new
-    empty = [torch.zeros(batch, heads, 0, size, dtype=dtype) for heads, size in shapes for _ in "kv"]
-    out = step(ids, torch.arange(prompt).expand(batch, -1), torch.ones(batch, prompt, dtype=torch.long), *empty)
-    cache = [torch.zeros(batch, heads, length, size, dtype=dtype) for heads, size in shapes for _ in "kv"]
-    for slot, written in zip(cache, out[1:]):
-        slot[:, :, :prompt] = written
-    tokens = ids
-    for position in range(prompt, length):
-        logits = out[0]
-        logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
-        chosen = logits[:, -1].argmax(-1)[:, None]
-        tokens = torch.cat([tokens, chosen], dim=1)
-        if position == length - 1:
-            break
-        mask = torch.zeros(batch, length + 1, dtype=torch.long)
-        mask[:, :position] = 1
-        mask[:, -1] = 1  # the new token, which the step appends after the cache's slots
-        out = step(chosen, torch.full((batch, 1), position), mask, *cache)
-        for slot, written in zip(cache, out[1:]):
-            slot[:, :, position] = written[:, :, 0]
-    return tokens
-
-
 def worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
     import sptransform
 
@@ -133,18 +75,12 @@ def worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=args.tp, timeout=datetime.timedelta(seconds=600))
     try:
         model, ids = build_model(args), prompt(args)
-        pm = sptransform.parallelize(model, tp=args.tp)
-        result = timed(lambda: pm.generate(ids, max_new_tokens=args.new, pad_token_id=0), args)
-        shapes, dtype = cache_shapes(model, args.batch), getattr(torch, args.dtype)
-        prefill = (ids, torch.arange(args.prompt).expand(args.batch, -1),
-                   torch.ones(args.batch, args.prompt, dtype=torch.long),
-                   *[torch.zeros(args.batch, heads, 0, size, dtype=dtype) for heads, size in shapes for _ in "kv"])
-        step = sptransform.parallelize(CacheStep(model, len(shapes)), tp=args.tp, sp=False, example_inputs=prefill)
-        with torch.no_grad():
-            cached = timed(lambda: cached_greedy(step, shapes, ids, args.new, dtype), args)
+        pm = sptransform.parallelize(model, tp=args.tp, sp=args.tp > 1 and args.prompt % args.tp == 0)
+        results = [timed(lambda: pm.generate(ids, max_new_tokens=args.new, pad_token_id=0, use_cache=False), args),
+                   timed(lambda: pm.generate(ids, max_new_tokens=args.new, pad_token_id=0), args)]
         if rank == 0:  # plain lists: a tensor sent to the parent would live in this process's shared memory
-            queue.put({**result, "tokens": result["tokens"].tolist()})
-            queue.put({**cached, "tokens": cached["tokens"].tolist()})
+            for result in results:
+                queue.put({**result, "tokens": result["tokens"].tolist()})
         dist.barrier()
     finally:
         dist.destroy_process_group()

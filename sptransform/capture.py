@@ -11,12 +11,13 @@ which ``ParallelModule`` caches.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import re
 import types
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Container, Mapping
 
 import torch
 import torch.fx as fx
@@ -200,10 +201,44 @@ def _foreign_parameters(module: nn.Module) -> dict[int, str]:
     return found
 
 
-def capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph:
-    """Trace ``template.module(*args, **kwargs)`` to an ATen graph; errors say why not. One
-    rank's graph, also under simulated ranks: tracing never sees LocalTensors."""
-    with maybe_disable_local_tensor_mode():
+@dataclass(frozen=True)
+class Entry:
+    """Another forward of the same module, captured as a graph of its own: the same parameters
+    and buffers under the same names (so a parallel module runs it on the shards it holds), a
+    different computation. ``generate``'s KV-cache steps are entries: the model run against a
+    cache given as tensors, returning the new tokens' keys and values.
+
+    ``forward(module, *args)`` is traced in place of ``module.forward``. ``split_inputs``: flat
+    user inputs stored split the way their readers read them (a cache split by heads), given
+    to the graph as this rank's part; ``split_outputs``: flat outputs returned as this rank's
+    part of their split instead of gathered. ``sp``: sequence parallelism for this entry
+    (None: the module's option)."""
+
+    name: str
+    forward: Callable[..., Any]
+    split_inputs: tuple[int, ...] = ()
+    split_outputs: Container[int] = ()
+    sp: bool | None = None
+
+
+@contextlib.contextmanager
+def _traced_forward(module: nn.Module, forward: Callable[..., Any] | None):
+    """``module.forward`` is ``forward`` inside (an instance attribute, removed after): the module
+    itself is traced, so its state keeps its names."""
+    if forward is None:
+        yield
+        return
+    module.forward = types.MethodType(forward, module)
+    try:
+        yield
+    finally:
+        del module.forward
+
+
+def capture(template: FakeTemplate, args: tuple, kwargs: dict, entry: Entry | None = None) -> CapturedGraph:
+    """Trace ``template.module(*args, **kwargs)`` (or ``entry.forward``) to an ATen graph; errors
+    say why not. One rank's graph, also under simulated ranks: tracing never sees LocalTensors."""
+    with maybe_disable_local_tensor_mode(), _traced_forward(template.module, entry.forward if entry else None):
         return _capture(template, args, kwargs)
 
 

@@ -321,9 +321,14 @@ class GenerateOptions:
     """A row that produced one of these has ended: it gets ``pad_token_id`` afterwards."""
     pad_token_id: int | None = None
     """What ended rows get (default: the first ``eos_token_id``)."""
+    use_cache: bool = True
+    """A parallel module of an HF causal LM keeps each rank's heads' keys and values
+    (``runtime.kv_cache``); ``False``, or a model it does not apply to: every step runs the model
+    on the whole sequence so far."""
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, minimum=1, fix="the number of tokens to generate")
+        _check_bool("use_cache", self.use_cache)
         _check_bool("do_sample", self.do_sample)
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or not self.temperature > 0:
             raise ValueError(f"temperature={self.temperature!r} must be a number > 0 (1.0 leaves the scores as they are)")

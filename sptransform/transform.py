@@ -41,18 +41,20 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from sptransform.capture import CapturedGraph, FakeTemplate, capture
+from sptransform.capture import CapturedGraph, Entry, FakeTemplate, capture
 from sptransform.logs import logger
 from sptransform.graph.analysis import ModelAnalysis, analyze, constant_nodes, parameter_placements
 from sptransform.graph.lookups import constant_lookup_problems
 from sptransform.graph.gradients import GradientPlan, gradient_plan
+from sptransform.graph.nodes import shape_of
+from sptransform.graph.placement import DimShard
 from sptransform.graph.plan import ParallelGraph, ParallelPlan, ParamPlacement
 from sptransform.graph.propagate import Propagation, SequenceSplit, propagate
 from sptransform.options import GRAPH_COMPILERS, GraphCompiler, ParallelOptions, PipelineOptions, RematOptions
@@ -93,6 +95,9 @@ class Build:
     """The module's dropout generators (the dropout pass's ops are their bound methods)."""
     overlap: bool
     """Whether gradient buckets stay in flight (``ParallelOptions.overlaps_buckets``)."""
+    entry: Entry | None = None
+    """Another forward of the module being built (``capture.Entry``): which inputs are stored split
+    as their readers read them, which outputs stay split."""
     analysis: ModelAnalysis | None = None
     single_device_analysis: ModelAnalysis | None = None
     """At tp=1 with dp > 1: the captured graph's analysis, for its layers (``build_parallel_graph``)."""
@@ -150,7 +155,7 @@ def _targets(gm: fx.GraphModule) -> list:
 def _analyse(gm: fx.GraphModule, build: Build) -> PassResult:
     """Linears, regions, head and loss (``graph.analysis``); the parameters' placements."""
     tp, sp = build.options.tp, build.options.sp
-    analysis = analyze(build.captured, tp)
+    analysis = analyze(build.captured, tp, _kept_outputs(build))
     if sp and analysis.seq_len is None:
         raise ValueError("sp=True needs an attention to find the sequence dim; none was found: pass sp=False")
     if sp and analysis.seq_len % tp:
@@ -160,6 +165,14 @@ def _analyse(gm: fx.GraphModule, build: Build) -> PassResult:
         )
     build.analysis, build.placements = analysis, parameter_placements(analysis, tp)
     return PassResult(gm, False)
+
+
+def _kept_outputs(build: Build) -> set[fx.Node]:
+    """The output nodes the entry returns split (``Entry.split_outputs``)."""
+    if build.entry is None:
+        return set()
+    flat = build.captured.gm.graph.find_nodes(op="output")[0].args[0]
+    return {value for i, value in enumerate(flat) if isinstance(value, fx.Node) and i in build.entry.split_outputs}
 
 
 def _split_bias(gm: fx.GraphModule, build: Build) -> PassResult:
@@ -198,10 +211,38 @@ def _propagate(gm: fx.GraphModule, build: Build) -> PassResult:
         if placement is not None and placement.spec is not None:
             (cut_seeds if placement.stored_whole else seeds)[node] = placement.spec
     build.constant = constant_nodes(gm, set(build.captured.state_placeholders))
-    sequence = SequenceSplit(build.analysis.seq_len) if build.options.sp else None
-    build.propagation = propagate(gm, seeds, tp=build.options.tp, constant=build.constant, sequence=sequence,
-                                  cut_seeds=cut_seeds)
+
+    def run(seeds: dict) -> Propagation:
+        sequence = SequenceSplit(build.analysis.seq_len) if build.options.sp else None
+        return propagate(gm, seeds, tp=build.options.tp, constant=build.constant, sequence=sequence,
+                         cut_seeds=cut_seeds, keep_outputs=build.entry.split_outputs if build.entry else ())
+
+    build.propagation = run(seeds)
+    split_inputs = _split_input_seeds(build)
+    if split_inputs:  # stored as read: what the first propagation cut locally is now given split
+        build.propagation = run({**seeds, **split_inputs})
+        users = build.captured.user_placeholders
+        build.plan.input_specs.update({users.index(node): spec for node, spec in split_inputs.items()})
     return PassResult(gm, False)
+
+
+def _split_input_seeds(build: Build) -> dict[fx.Node, DimShard]:
+    """The entry's split inputs that every reader reads in one even split (``Shard``) after a
+    propagation that held them whole: each is stored that way instead, so no rank holds the rest
+    (a KV cache read by heads). One read whole, or in two splits, stays whole."""
+    if build.entry is None or not build.entry.split_inputs:
+        return {}
+    users = build.captured.user_placeholders[: build.captured.num_user_inputs]
+    found = {}
+    for index in build.entry.split_inputs:
+        node = users[index]
+        reads = {build.propagation.reads[user][node] for user in node.users if node in build.propagation.reads.get(user, {})}
+        if len(reads) != 1:
+            continue
+        (spec,) = reads
+        if isinstance(spec, DimShard) and spec.segments == ((0, shape_of(node)[spec.dim]),):
+            found[node] = spec
+    return found
 
 
 def _gradient_reductions(gm: fx.GraphModule, build: Build) -> PassResult:
@@ -298,15 +339,18 @@ PASSES: list[Pass] = [
 
 def build_parallel_graph(
     template: FakeTemplate, args: tuple, kwargs: dict, options: ParallelOptions, group: str | None, generators: RankGenerators,
-    dp_group: str | None = None, device_type: str = "cpu",
+    dp_group: str | None = None, device_type: str = "cpu", entry: Entry | None = None,
 ) -> ParallelGraph:
     """Capture, then ``PASSES`` in order. ``dp_group``: the data-parallel process group's name
     (``options.dp > 1``); ``device_type``: where the graph runs (whether its gradient buckets
     stay in flight, ``ParallelOptions.overlaps_buckets``). At tp=1 the captured graph runs as
-    is, data parallelism aside: no analysis, no plan."""
+    is, data parallelism aside: no analysis, no plan. ``entry``: capture another forward of the
+    module (``capture.Entry``), with its own ``sp``."""
     start = time.perf_counter()
+    if entry is not None and entry.sp is not None:
+        options = replace(options, sp=entry.sp)
     with maybe_disable_local_tensor_mode():  # tracing sees one rank, never simulated ones
-        captured = capture(template, args, kwargs)
+        captured = capture(template, args, kwargs, entry)
         # evaluated as plain tensors of one rank, too
         problems = constant_lookup_problems(captured.gm, dict(zip(captured.state_placeholders, captured.state_names)))
     captured_s = time.perf_counter() - start
@@ -317,7 +361,8 @@ def build_parallel_graph(
             "(a sequence no longer than the table's rows)")
     log.info("captured %s: %d graph nodes, %d parameters and buffers, in %.1f s", type(template.module).__name__,
              len(captured.gm.graph.nodes), len(captured.state_names), captured_s)
-    build = Build(captured, options, group, dp_group, generators, overlap=options.overlaps_buckets(device_type))
+    build = Build(captured, options, group, dp_group, generators, overlap=options.overlaps_buckets(device_type),
+                  entry=entry)
     captured.gm = run_passes(PASSES, captured.gm, build)
     graph = ParallelGraph(captured, build.analysis, build.plan, _single_device_analysis=build.single_device_analysis)
     graph.data_parallel = build.data_parallel
@@ -486,16 +531,17 @@ class GraphFactory:
     """The data-parallel process group's name (``options.dp > 1``)."""
 
     def build(self, args: tuple, kwargs: dict, *, modes: Mapping[str, bool] | None = None,
-              dtypes: Mapping[str, torch.dtype] | None = None) -> ParallelGraph:
+              dtypes: Mapping[str, torch.dtype] | None = None, entry: Entry | None = None) -> ParallelGraph:
         """The parallel graph of ``args``/``kwargs``, captured with the template's submodules in
-        ``modes`` (name -> training) and its parameters/buffers in ``dtypes`` (name -> dtype)."""
+        ``modes`` (name -> training) and its parameters/buffers in ``dtypes`` (name -> dtype);
+        ``entry``: of another forward of the module (``capture.Entry``)."""
         if modes is not None:
             self.template.set_modes(modes)
         if dtypes is not None:
             with maybe_disable_local_tensor_mode():  # fake tensors of one rank, never simulated ones
                 self.template.retype(dtypes)
         graph = build_parallel_graph(self.template, args, kwargs, self.options, self.group, self.generators,
-                                     self.dp_group, self.device.type)
+                                     self.dp_group, self.device.type, entry)
         graph.gm.to(self.device)  # index tables the passes added live with the parameters
         return graph
 

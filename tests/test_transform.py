@@ -58,7 +58,7 @@ def _build(model, inputs, options: ParallelOptions):
 
 def test_every_pass_requires_only_what_the_start_or_an_earlier_pass_provides():
     fields = {f.name for f in dataclasses.fields(Build)}
-    provided = {"captured", "options", "group", "dp_group", "generators", "overlap", "val"}
+    provided = {"captured", "options", "group", "dp_group", "generators", "overlap", "entry", "val"}
     for p in PASSES:
         assert set(p.requires) <= provided, (p.name, set(p.requires) - provided)
         provided |= set(p.adds)
@@ -133,3 +133,68 @@ def test_tp1_step_analyses_the_captured_graph_once_over_four_microbatches(monkey
     pm.step(ids, targets)
     pm.step(ids, targets)
     assert calls == [1]
+
+
+# ---------------------------------------------------------------------------
+# entries: another forward of the module, its inputs and outputs stored split as dataflow reads them
+
+
+class CachedAttention(torch.nn.Module):
+    """One attention block that reads a cache of earlier keys and values and returns its own."""
+
+    def __init__(self, hidden=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v = (torch.nn.Linear(hidden, hidden) for _ in range(3))
+        self.o = torch.nn.Linear(hidden, hidden)
+
+    def split(self, t):
+        return t.unflatten(-1, (self.heads, -1)).transpose(1, 2)
+
+    def forward(self, x, *cache):
+        q, k, v = self.split(self.q(x)), self.split(self.k(x)), self.split(self.v(x))
+        if cache:
+            k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.o(y.transpose(1, 2).flatten(2)), k[:, :, -x.shape[1]:], v[:, :, -x.shape[1]:]
+
+
+def _step(module, x, *cache):
+    return type(module).forward(module, x, *cache)
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_an_entry_stores_its_cache_split_by_heads_where_its_readers_read_it_so(split):
+    from sptransform.capture import Entry
+
+    model, options = CachedAttention(), ParallelOptions(tp=2, sp=False)
+    x, cache = torch.randn(2, 1, 32), torch.randn(2, 4, 5, 8)
+    entry = Entry("step", _step, split_inputs=(1, 2) if split else (), split_outputs=(1, 2) if split else ())
+    with fake_group(2):
+        graph = build_parallel_graph(FakeTemplate(model, torch.device("cpu")), (x, cache, cache), {}, options,
+                                     dist.group.WORLD.group_name, generators=RankGenerators(0, 2, None), entry=entry)
+    gm, plan = graph.gm, graph.plan
+    if split:  # heads split; the cache given as this rank's heads, returned as them: no cut, no gather
+        assert plan.placements["k.weight"].spec.dim == 0 and plan.placements["o.weight"].spec.dim == 1
+        assert {i: s.dim for i, s in plan.input_specs.items()} == {1: 1, 2: 1}
+        assert {i: (s.dim, size) for i, (s, size) in plan.output_specs.items()} == {1: (1, 4), 2: (1, 4)}
+        assert not [n for n in op_counts(gm) if "take_local" in n or "gather" in n]
+    else:  # keys and values returned whole leave the block: it runs whole on every rank (correct, not split)
+        assert "k.weight" not in plan.placements and "q.weight" not in plan.placements
+        assert plan.input_specs == {} and set(plan.output_specs) <= {0}  # (o, left over, is taken as a head)
+
+
+def test_an_entry_input_read_whole_somewhere_stays_whole():
+    from sptransform.capture import Entry
+
+    def step(module, x, *cache):
+        out, k, v = type(module).forward(module, x, *cache)
+        return out + cache[0].mean(), k, v  # the cache read whole as well: no single split serves it
+
+    model, options = CachedAttention(), ParallelOptions(tp=2, sp=False)
+    x, cache = torch.randn(2, 1, 32), torch.randn(2, 4, 5, 8)
+    with fake_group(2):
+        graph = build_parallel_graph(FakeTemplate(model, torch.device("cpu")), (x, cache, cache), {}, options,
+                                     dist.group.WORLD.group_name, generators=RankGenerators(0, 2, None),
+                                     entry=Entry("step", step, split_inputs=(1, 2), split_outputs=(1, 2)))
+    assert list(graph.plan.input_specs) == [2]  # the values are still given split; the keys whole

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Container, Literal
 
 import torch
 import torch.fx as fx
@@ -331,7 +331,8 @@ def _forward_closure(starts) -> list[fx.Node]:
 
 
 def trace_region(
-    graph: fx.Graph, row: LinearMatch, linears: dict[fx.Node, LinearMatch], derived: set[fx.Node], tp: int
+    graph: fx.Graph, row: LinearMatch, linears: dict[fx.Node, LinearMatch], derived: set[fx.Node], tp: int,
+    exits: Container[fx.Node] = (),
 ) -> Region:
     """Walk back from ``row``'s input asking each op how its inputs must be split; raise
     ``ShardingError`` if no column-parallel linear is reached.
@@ -340,7 +341,8 @@ def trace_region(
     K/V heads than tp, a norm over the split features, a parameter used per head), the walk
     stops there and records a cut: that tensor is computed whole and the placement
     propagation cuts it to the split its readers need. The region keeps the linears it did
-    reach; the ones behind a cut run replicated."""
+    reach; the ones behind a cut run replicated. ``exits``: outputs that may read the region's
+    split tensors (returned split: a KV cache's keys and values)."""
     x = row.input
     order = list(graph.nodes)
     position = {n: i for i, n in enumerate(order)}
@@ -438,7 +440,7 @@ def trace_region(
     inside = set(specs) | {row.node}
     for node in specs:
         for user in node.users:
-            if user not in inside and packet(user) not in READS_METADATA_ONLY:  # new_empty: dtype and device
+            if user not in inside and user not in exits and packet(user) not in READS_METADATA_ONLY:  # new_empty: dtype and device
                 raise ShardingError(f"{describe(node)} is used outside the tensor-parallel region by {describe(user)}")
     kind = "attention" if any(
         packet(n) in (aten.scaled_dot_product_attention, aten.softmax, aten._softmax) for n in specs
@@ -449,8 +451,9 @@ def trace_region(
     )
 
 
-def analyze(captured: CapturedGraph, tp: int) -> ModelAnalysis:
-    """Find linears, regions, embeddings, head and loss; errors name what was not recognized."""
+def analyze(captured: CapturedGraph, tp: int, exits: Container[fx.Node] = ()) -> ModelAnalysis:
+    """Find linears, regions, embeddings, head and loss; errors name what was not recognized.
+    ``exits``: outputs returned split, which may read a region's split tensors."""
     graph = captured.gm.graph
     linears = find_linears(captured)
     derived = set(_forward_closure(list(linears)))
@@ -461,12 +464,12 @@ def analyze(captured: CapturedGraph, tp: int) -> ModelAnalysis:
         if lm.weight_piece is not None:
             continue  # rows of a fused weight: split along its output features (a column) or not at all
         try:
-            structure = trace_region(graph, lm, linears, derived, 1)
+            structure = trace_region(graph, lm, linears, derived, 1, exits)
         except ShardingError as err:
             failures[node] = err
             continue
         try:
-            regions.append(trace_region(graph, lm, linears, derived, tp))
+            regions.append(trace_region(graph, lm, linears, derived, tp, exits))
         except ShardingError as err:
             indivisible.append(_divisibility_message(graph, lm, linears, derived, tp, structure, err))
     if indivisible:  # every block that tp does not divide, at once

@@ -30,6 +30,8 @@ class ParallelPlan:
     """Replicated parameter -> layer bucket whose gradients are summed over the group."""
     output_specs: dict[int, tuple[DimShard, int]] = field(default_factory=dict)
     """Output index -> (split, global size of the split dim)."""
+    input_specs: dict[int, DimShard] = field(default_factory=dict)
+    """Flat user input index -> the split it is given in (``capture.Entry.split_inputs``)."""
     vocab: int | None = None
     vocab_per_rank: int | None = None
     seq_len: int | None = None

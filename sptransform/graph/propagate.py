@@ -20,6 +20,7 @@ stays split along the sequence and blocks are entered by an all-gather.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Container
 
 import torch
 import torch.fx as fx
@@ -125,12 +126,14 @@ def propagate(
     constant: set[fx.Node],
     sequence: SequenceSplit | None,
     cut_seeds: dict[fx.Node, object] | None = None,
+    keep_outputs: Container[int] = (),
 ) -> Propagation:
     """Placements of every node of ``gm`` from ``seeds`` (placeholders not seeded are replicated).
 
     ``constant``: nodes computed from parameters and buffers only. ``sequence``: sequence
     parallelism (None without it). ``cut_seeds``: placeholders stored whole but read split
-    (each reader reads a cut). Raises ``ShardingError`` naming every op that cannot run."""
+    (each reader reads a cut). ``keep_outputs``: flat output positions returned in their own
+    even split, not gathered. Raises ``ShardingError`` naming every op that cannot run."""
     result = Propagation(tp)
     result.cut_seeds = dict(cut_seeds or {})
     ctx = RuleContext(tp=tp, is_constant=lambda n: n in constant)
@@ -142,7 +145,11 @@ def propagate(
             result.source[node] = "seed" if node in seeds else "replicated"
             continue
         if node.op == "output":
-            result.reads[node] = {a: _output_placement(a, result.placement.get(a)) for a in tensor_inputs(node)}
+            flat = list(node.args[0]) if isinstance(node.args[0], (tuple, list)) else [node.args[0]]
+            kept = {a for a in tensor_inputs(node)
+                    if all(i in keep_outputs for i, value in enumerate(flat) if value is a)}
+            result.reads[node] = {a: _output_placement(a, result.placement.get(a), a in kept)
+                                  for a in tensor_inputs(node)}
             continue
         try:
             decision = _decide(node, result, ctx, constant, sequence)
@@ -164,14 +171,16 @@ def propagate(
     return result
 
 
-def _output_placement(node: fx.Node, placement):
+def _output_placement(node: fx.Node, placement, keep: bool = False):
     """What the user gets back: partial sums reduced, split tensors gathered, except tensors split
-    evenly along their last dim (vocabulary-parallel logits), which return as a sharded DTensor."""
+    evenly along their last dim (vocabulary-parallel logits), which return as a sharded DTensor,
+    and, with ``keep``, tensors split evenly along any dim."""
     if placement is None or placement == REPLICATED:
         return placement
     last = len(shape_of(node)) - 1
-    if isinstance(placement, DimShard) and placement.dim == last and len(placement.segments) == 1:
-        return placement
+    if isinstance(placement, DimShard) and len(placement.segments) == 1:
+        if placement.dim == last or (keep and placement.segments == ((0, shape_of(node)[placement.dim]),)):
+            return placement
     return REPLICATED
 
 

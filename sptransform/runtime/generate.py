@@ -1,13 +1,21 @@
 """Token generation from a causal language model: ``pm.generate`` and ``sptransform.generate``.
 
-No KV cache yet: every step runs the model on the whole sequence so far. The sequence is
-padded at its end to one length for the whole call (prompt + ``max_new_tokens``, rounded up
-to a multiple of ``multiple``: tp under sequence parallelism), so every step has the same input
-signature and a parallel module captures one graph per call shape, not one per length. A
-causal model's logits at a position do not read the positions after it, so the padding changes
-nothing; the first step checks that (it runs twice with two different padding tokens, and the
-two logits must be equal bit for bit): a model that reads later positions, or draws dropout
-masks, raises instead of generating tokens the single-device model would not.
+Two ways to run the steps, the same token choice:
+
+* **with a KV cache** (a parallel module of an HF causal LM, ``use_cache=True``, the default):
+  ``runtime.kv_cache``: a prefill graph on the prompt, then one decode graph per token against
+  each rank's part of the cache (split by heads, never gathered). Every call first checks that a
+  decode step reproduces the prefill's logits; a model for which it does not, or that the cache
+  path does not apply to (no ``past_key_values``, sliding-window or linear-attention caches),
+  generates the second way, with a warning where the check failed;
+* **without a cache**: every step runs the model on the whole sequence so far, padded at its
+  end to one length for the whole call (prompt + ``max_new_tokens``, rounded up to a multiple of
+  ``multiple``: tp under sequence parallelism), so every step has the same input signature and a
+  parallel module captures one graph per call shape, not one per length. A causal model's
+  logits at a position do not read the positions after it, so the padding changes nothing; the
+  first step checks that (it runs twice with two different padding tokens, and the two logits
+  must be equal bit for bit): a model that reads later positions, or draws dropout masks,
+  raises instead of generating tokens the single-device model would not.
 
 Token choice follows HF ``GenerationMixin.generate`` (transformers 5): the last position's
 logits cast to float32, then for sampling temperature, top-k and top-p as its warpers apply
@@ -24,10 +32,14 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from sptransform.logs import logger
 from sptransform.options import GenerateOptions
+from sptransform.runtime.kv_cache import CachedSteps, CacheUnsupported, Run, cache_unsupported_reason, check_tolerance
+
+log = logger("sptransform.generate")
 
 GENERATE_KWARGS = ("attention_mask", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p",
-                   "eos_token_id", "pad_token_id", "generation_config")
+                   "eos_token_id", "pad_token_id", "use_cache", "generation_config")
 """The keywords ``generate`` takes besides the token ids."""
 
 HF_DEFAULTS = (("max_length", 20), ("do_sample", False), ("temperature", 1.0), ("top_k", 50), ("top_p", 1.0))
@@ -117,7 +129,7 @@ def resolve_options(source: nn.Module, kwargs: Mapping[str, Any], prompt_length:
         defaults = dict(HF_DEFAULTS)
         fields = {k: settings[k] if settings.get(k) is not None else defaults[k]
                   for k in ("do_sample", "temperature", "top_k", "top_p")}
-        for k in ("eos_token_id", "pad_token_id", "max_new_tokens"):
+        for k in ("eos_token_id", "pad_token_id", "max_new_tokens", "use_cache"):
             if settings.get(k) is not None:
                 fields[k] = settings[k]
         fields.update(given)
@@ -187,20 +199,19 @@ def _choose(scores: torch.Tensor, options: GenerateOptions) -> torch.Tensor:
     return torch.multinomial(_warp(scores, options).softmax(dim=-1), num_samples=1).squeeze(1)
 
 
-class _Steps:
-    """Builds each step's inputs: the tokens so far, padded at the end to ``length``."""
+class _Padded:
+    """Steps without a cache: the tokens so far, padded at the end to ``length``, run whole."""
 
-    def __init__(self, source: nn.Module, tokens: torch.Tensor, attention_mask, length: int):
+    def __init__(self, model: nn.Module, source: nn.Module, attention_mask, length: int, prompt: int):
         parameters = inspect.signature(source.forward).parameters
         if attention_mask is not None and "attention_mask" not in parameters:
             raise ValueError(
                 f"attention_mask was given, but {type(source).__name__}.forward takes no attention_mask: pass the "
                 "prompts unpadded (one length per call), or use a model that takes a mask"
             )
-        self.length = length
+        self.model, self.length, self.prompt = model, length, prompt
         self.mask = attention_mask
         self.positions = "position_ids" in parameters
-        self.first_name = next(iter(parameters), None)
 
     def inputs(self, tokens: torch.Tensor, fill: int) -> tuple[tuple, dict]:
         batch, current = tokens.shape
@@ -219,6 +230,29 @@ class _Steps:
             kwargs["position_ids"] = positions.unsqueeze(0).expand(batch, -1)
         return (ids,), kwargs
 
+    def scores(self, tokens: torch.Tensor) -> torch.Tensor:
+        position = tokens.shape[1] - 1
+        args, kwargs = self.inputs(tokens, fill=0)
+        scores = _last_logits(self.model(*args, **kwargs), position)
+        if position == self.prompt - 1:  # the first step
+            args, kwargs = self.inputs(tokens, fill=1)
+            _check_causal(scores, _last_logits(self.model(*args, **kwargs), position))
+        return scores
+
+
+class _Cached:
+    """Steps with each rank's part of a KV cache (``runtime.kv_cache.CachedSteps``)."""
+
+    def __init__(self, steps: CachedSteps):
+        self.steps = steps
+
+    def scores(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.steps.written == 0:
+            scores = self.steps.prefill(tokens)
+            self.steps.check()
+            return scores
+        return self.steps.decode(tokens[:, -1:])
+
 
 def _check_causal(first: torch.Tensor, second: torch.Tensor) -> None:
     if not torch.equal(first, second):
@@ -232,13 +266,16 @@ def _check_causal(first: torch.Tensor, second: torch.Tensor) -> None:
 
 @torch.no_grad()
 def generate_tokens(model: nn.Module, input_ids: torch.Tensor, *, source: nn.Module, multiple: int = 1,
-                    agree: Agree | None = None, **kwargs) -> torch.Tensor:
+                    agree: Agree | None = None, run: Run | None = None,
+                    layout: Callable[[int], list[torch.Tensor]] | None = None, **kwargs) -> torch.Tensor:
     """``input_ids`` [batch, prompt] followed by up to ``max_new_tokens`` generated tokens.
 
     ``model``: what runs a step (a parallel module, or ``source`` itself on one device);
     ``source``: the module whose forward signature and HF ``generation_config`` apply;
     ``multiple``: the padded length is a multiple of it (tp under sequence parallelism);
-    ``agree``: makes every rank hold the tokens of tensor-parallel rank 0 after each choice."""
+    ``agree``: makes every rank hold the tokens of tensor-parallel rank 0 after each choice;
+    ``run``: a parallel module's ``_run_entry``, for the KV-cache steps (None: no cache);
+    ``layout``: batch -> the model's empty cache at whole shapes (``kv_cache.cache_layout``)."""
     attention_mask = kwargs.get("attention_mask")
     _check_tokens(input_ids, attention_mask)
     options = resolve_options(source, kwargs, input_ids.shape[1])
@@ -247,18 +284,28 @@ def generate_tokens(model: nn.Module, input_ids: torch.Tensor, *, source: nn.Mod
             and pad not in options.eos_token_id and bool((input_ids == pad).any())):
         attention_mask = (input_ids != pad).long()  # HF infers the mask from padding tokens in the prompt
     prompt = input_ids.shape[1]
-    length = -(-(prompt + options.max_new_tokens) // multiple) * multiple
-    steps = _Steps(source, input_ids, attention_mask, length)
+    padded = _Padded(model, source, attention_mask, -(-(prompt + options.max_new_tokens) // multiple) * multiple, prompt)
+    steps: _Padded | _Cached = padded
+    reason = "use_cache=False" if not options.use_cache else "no KV-cache steps on one device" if run is None \
+        else cache_unsupported_reason(source)
+    if reason is None:
+        mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+        dtype = next((p.dtype for p in source.parameters() if p.is_floating_point()), torch.float32)
+        empty = layout(input_ids.shape[0])
+        steps = _Cached(CachedSteps(run, empty, sp_multiple=multiple, mask=mask,
+                                    slots=prompt + options.max_new_tokens - 1, check_rtol=check_tolerance(dtype)))
+    else:
+        log.debug("generate without a KV cache: %s", reason)
     tokens = input_ids
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     eos = torch.tensor(options.eos_token_id, dtype=input_ids.dtype, device=input_ids.device)
     for step in range(options.max_new_tokens):
-        position = prompt + step - 1
-        args, step_kwargs = steps.inputs(tokens, fill=0)
-        scores = _last_logits(model(*args, **step_kwargs), position)
-        if step == 0:
-            args, step_kwargs = steps.inputs(tokens, fill=1)
-            _check_causal(scores, _last_logits(model(*args, **step_kwargs), position))
+        try:
+            scores = steps.scores(tokens)
+        except CacheUnsupported as err:  # the first step only: nothing chosen yet
+            log.warning("generate() falls back to no KV cache for %s: %s", type(source).__name__, err)
+            steps = padded
+            scores = steps.scores(tokens)
         chosen = _choose(scores, options).to(tokens.dtype)
         if agree is not None:
             chosen = agree(chosen)

@@ -40,7 +40,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from sptransform.capture import CapturedGraph, InputsRejected, input_signature
+from sptransform.capture import CapturedGraph, Entry, InputsRejected, input_signature
 from sptransform.graph.analysis import find_loss_output
 from sptransform.graph.plan import ParallelGraph, ParallelPlan
 from sptransform.graph.placement import DimShard
@@ -51,6 +51,7 @@ from sptransform.runtime.checks import (
 from sptransform.runtime.core import Agreement, ModuleCore, mirror_modules  # noqa: F401  (mirror_modules: re-exported)
 from sptransform.runtime.explain import explain
 from sptransform.runtime.generate import generate_tokens
+from sptransform.runtime.kv_cache import cache_layout
 from sptransform.runtime.faults import naming_failures
 from sptransform.runtime.ops import take_local
 from sptransform.runtime.params import contiguous_stride, get_by_path, held_share
@@ -71,7 +72,7 @@ class GraphFactory(Protocol):
     def template(self) -> Any: ...
 
     def build(self, args: tuple, kwargs: dict, *, modes: Mapping[str, bool] | None = None,
-              dtypes: Mapping[str, torch.dtype] | None = None) -> ParallelGraph: ...
+              dtypes: Mapping[str, torch.dtype] | None = None, entry: Entry | None = None) -> ParallelGraph: ...
 
     def compile(self, gm: fx.GraphModule, inputs: list, state_positions: Sequence[int]) -> Callable: ...
 
@@ -103,6 +104,10 @@ def microbatches(args: tuple, kwargs: dict, n: int) -> list[tuple[tuple, dict]]:
     return out
 
 
+ENTRY_GRAPHS = 4
+"""Graphs of other forwards kept (``_run_entry``: a prefill and a decode step per prompt shape)."""
+
+
 class ParallelModule(ModuleCore):
     def __init__(
         self,
@@ -123,6 +128,7 @@ class ParallelModule(ModuleCore):
         self._dtypes = tuple(get_by_path(model, name).dtype for name in self._state_names)
         self._state_owners: list[tuple[nn.Module, str]] | None = None  # see _state_values
         self._graphs: OrderedDict[tuple, _Cached] = OrderedDict()
+        self._entry_graphs: OrderedDict[tuple, ParallelGraph] = OrderedDict()  # see _run_entry
         example_kwargs = {**self._call_defaults, **example_kwargs}
         check_call(example_args, example_kwargs, self._call_defaults, example=True)
         self._example_inputs = describe_inputs(example_args, example_kwargs)
@@ -374,6 +380,37 @@ class ParallelModule(ModuleCore):
             stride=contiguous_stride(shape),
         )
 
+    # -- other forwards of the module: generate's KV-cache steps ---------------
+
+    def _run_entry(self, entry: Entry, args: Sequence, whole: Sequence) -> list:
+        """Run another forward of the module (``entry``) on the flat inputs ``args``, its split
+        inputs as this rank's parts (or whole, and cut here); ``whole``: the same inputs at their
+        whole shapes (meta tensors will do), for the capture and the cache key. Returns the flat outputs, the split ones
+        (``entry.split_outputs``, vocabulary-split logits) as DTensors. No input checks: only
+        ``generate`` calls this, with inputs it built (every rank the same tokens)."""
+        self._state_values()  # where and in which dtypes the state is
+        key = (entry.name, self._mode_key(), self._dtypes, input_signature(tuple(whole), {}))
+        graph = self._entry_graphs.get(key)
+        if graph is None:
+            graph = self._factory.build(tuple(whole), {}, modes=self._modes(), dtypes=self._dtype_map(self._dtypes),
+                                        entry=entry)
+            self._check_placements(graph)
+            self._entry_graphs[key] = graph
+            while len(self._entry_graphs) > ENTRY_GRAPHS:
+                self._entry_graphs.popitem(last=False)
+        args = list(args)
+        for index, spec in (graph.plan.input_specs if graph.plan is not None else {}).items():
+            if tuple(args[index].shape) == tuple(whole[index].shape):  # given whole: this rank's part
+                tp = self._options.tp
+                table = torch.tensor([spec.indices(r, tp) for r in range(tp)], device=args[index].device)
+                args[index] = take_local(args[index], spec.dim, table, self._rank)
+        outputs = graph.gm(*self._graph_inputs(graph, tuple(args), {}))
+        outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+        if graph.plan is not None:
+            for index, (spec, size) in graph.plan.output_specs.items():
+                outputs[index] = self._as_dtensor(outputs[index], spec, size)
+        return outputs
+
     # -- generation -----------------------------------------------------------
 
     def generate(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -385,8 +422,11 @@ class ParallelModule(ModuleCore):
                 "parallelize a copy with dp=1 to generate"
             )
         multiple = self._options.tp if self._options.sp else 1
-        return generate_tokens(self, input_ids, source=self._factory.template.module, multiple=multiple,
-                               agree=self._agree_tokens, **kwargs)
+        template = self._factory.template
+        return generate_tokens(self, input_ids, source=template.module, multiple=multiple, agree=self._agree_tokens,
+                               run=self._run_entry,
+                               layout=lambda batch: cache_layout(template.module, template.fake_mode, template.device,
+                                                                 batch), **kwargs)
 
     def _agree_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """Tensor-parallel rank 0's tokens on every rank (a broadcast): ranks whose default

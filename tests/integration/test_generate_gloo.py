@@ -1,6 +1,8 @@
 """Real 2-rank gloo: ``pm.generate`` gives HF ``generate``'s tokens (single device, float64, with its KV
 cache) for GPT-2 and Llama (GQA: 4 K/V heads for 8 heads): greedy, sampling from the same seed, and a
-batch of 2 with a left-padded attention mask; for Qwen2 (GQA, q/k/v biases): greedy."""
+batch of 2 with a left-padded attention mask; for Qwen2 (GQA, q/k/v biases): greedy. With the KV cache
+split by heads (prefill under sequence parallelism: the prompt is a multiple of tp), and for GPT-2
+also without a cache."""
 
 from __future__ import annotations
 
@@ -61,13 +63,25 @@ def _generate_like_single_device(kind: str, world: int) -> None:
              ("left padding", padded, dict(attention_mask=mask))]
     if kind == "qwen2":  # the third family: greedy only (each mask signature is one more capture, ~8 s of CPU)
         cases = cases[:1]
+    if kind == "gpt2":  # the loop without a cache, once: every step the whole padded sequence
+        cases.append(("no cache", ids, dict(use_cache=False)))
     for name, prompt, kwargs in cases:
         torch.manual_seed(5)
         expected = ref.generate(prompt, max_new_tokens=NEW, pad_token_id=0, **kwargs)
         torch.manual_seed(5)
         tokens = pm.generate(prompt, max_new_tokens=NEW, pad_token_id=0, **kwargs)
         assert torch.equal(tokens, expected), f"{kind} {name}: {tokens.tolist()} != {expected.tolist()}"
-    assert pm.cached_graphs == len({"attention_mask" in kwargs for _, _, kwargs in cases})  # one per signature
+    # With the cache: one prefill and one decode graph for every case (the mask is always given to
+    # them), each rank given and returning only its K/V heads; without it, the padded forward, whose
+    # signature is the example's.
+    assert pm.cached_graphs == 1
+    steps = {key[0]: graph for key, graph in pm._entry_graphs.items()}
+    assert sorted(steps) == ["kv-decode", "kv-prefill"]
+    heads = 8 if kind == "gpt2" else 4 if kind == "llama" else 2
+    decode = steps["kv-decode"].plan
+    assert [spec.dim for spec in decode.input_specs.values()] == [1, 1] and len(decode.input_specs) == 2
+    assert all(decode.output_specs[i][0].dim == 1 and decode.output_specs[i][1] == heads for i in (1, 2))
+    assert "gather" not in steps["kv-decode"].gm.code  # no collective moves the cache (or the logits, split)
 
 
 def test_generate_equals_single_device_hf_generate_on_two_gloo_ranks():

@@ -121,3 +121,54 @@ def test_hf_generate_through_the_original_class_names_pm_generate():
         assert not hasattr(pm, "generation_config")  # still an AttributeError for hasattr
         with pytest.raises(AttributeError, match="no attribute 'not_a_thing'$"):
             pm.not_a_thing
+
+
+class CachePositionsGPT2(transformers.GPT2LMHeadModel):
+    """GPT-2 that drops ``position_ids`` and takes its positions from the cache's length (as models
+    whose rotary embeddings read ``cache_position`` do): the fixed-slot cache gives it wrong
+    positions, which the check before the first token must catch."""
+
+    def forward(self, input_ids=None, cache=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, encoder_hidden_states=None, encoder_attention_mask=None, labels=None,
+                use_cache=None, logits_to_keep=0, **kwargs):
+        return super().forward(input_ids, cache=cache, attention_mask=attention_mask, use_cache=use_cache, **kwargs)
+
+
+def _llama(kv_heads: int):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                      num_key_value_heads=kv_heads, intermediate_size=64, vocab_size=61,
+                                      max_position_embeddings=32)
+    return transformers.LlamaForCausalLM(config).double().eval()
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_kv_cache_is_split_by_heads_and_greedy_tokens_equal_hf(kv_heads, caplog):
+    """tp=2 on simulated ranks (real ranks: tests/integration/test_generate_gloo.py): each rank holds
+    its K/V heads, or, with one K/V head that tp cannot split, the whole cache."""
+    model, ids = _llama(kv_heads), _prompt(length=6)
+    expected = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with simulated_ranks(2), caplog.at_level("INFO", logger="sptransform.generate"):
+        pm = sptransform.parallelize(model, tp=2, example_inputs=(ids,))
+        tokens = pm.generate(ids, max_new_tokens=4, pad_token_id=0)
+        steps = {key[0]: graph for key, graph in pm._entry_graphs.items()}
+    for value in per_rank(tokens):
+        assert torch.equal(value, expected), f"{value.tolist()} != {expected.tolist()}"
+    assert sorted(steps) == ["kv-decode", "kv-prefill"] and pm.cached_graphs == 1  # no padded forward ran
+    split = steps["kv-decode"].plan.input_specs
+    assert len(split) == (4 if kv_heads == 2 else 0)  # 2 layers x (keys, values)
+    share = 0.5 if kv_heads == 2 else 1.0
+    assert f"this rank holds {share:.3f} of its" in caplog.text
+
+
+def test_a_model_whose_positions_follow_the_cache_length_falls_back_to_no_cache(caplog):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=61, n_positions=32)
+    model, ids = CachePositionsGPT2(config).double().eval(), _prompt(length=6)
+    expected = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with simulated_ranks(2), caplog.at_level("WARNING", logger="sptransform.generate"):
+        pm = sptransform.parallelize(model, tp=2, example_inputs=(ids,))
+        tokens = pm.generate(ids, max_new_tokens=3, pad_token_id=0)
+    assert "falls back to no KV cache" in caplog.text and "relative error" in caplog.text
+    for value in per_rank(tokens):
+        assert torch.equal(value, expected)
