@@ -34,7 +34,9 @@ from torch.distributed.tensor import DTensor
 
 from sptransform.logs import logger
 from sptransform.options import GenerateOptions
-from sptransform.runtime.kv_cache import CachedSteps, CacheUnsupported, Run, cache_unsupported_reason, check_tolerance
+from sptransform.runtime.kv_cache import (
+    CachedSteps, CacheUnsupported, Run, cache_slots, cache_unsupported_reason, check_tolerance,
+)
 
 log = logger("sptransform.generate")
 
@@ -293,7 +295,7 @@ def generate_tokens(model: nn.Module, input_ids: torch.Tensor, *, source: nn.Mod
         dtype = next((p.dtype for p in source.parameters() if p.is_floating_point()), torch.float32)
         empty = layout(input_ids.shape[0])
         steps = _Cached(CachedSteps(run, empty, sp_multiple=multiple, mask=mask,
-                                    slots=prompt + options.max_new_tokens - 1, check_rtol=check_tolerance(dtype)))
+                                    slots=cache_slots(prompt, options.max_new_tokens), check_rtol=check_tolerance(dtype)))
     else:
         log.debug("generate without a KV cache: %s", reason)
     tokens = input_ids

@@ -15,7 +15,8 @@ and value projections make them so), so each rank stores and is given only its h
 collective ever moves the cache. A model whose K/V heads tp cannot split (one K/V head) reads
 its cache whole: each rank then holds all of it (``held_cache_share`` says which).
 
-The cache has a fixed number of slots for a whole call (prompt + new tokens - 1): a decode step
+The cache has a fixed number of slots for a whole call (prompt + new tokens - 1, rounded up to a
+multiple of 16 so that calls of about the same lengths share a decode graph): a decode step
 appends the new token after the slots (HF concatenates), and the attention mask hides the
 slots not yet written; the runtime writes the returned keys and values into their slot. So
 one decode graph serves every step, and positions come from ``position_ids``, not from the
@@ -128,6 +129,17 @@ def cache_layout(module: nn.Module, fake_mode, device: torch.device, batch: int)
     return [torch.empty((s[0], s[1], 0, *s[3:]), dtype=dtype, device="meta") for s, dtype in shapes]
 
 
+SLOTS_MULTIPLE = 16
+"""The cache's positions are rounded up to a multiple of this: calls whose prompt and new tokens
+differ a little reuse one decode graph (the mask hides the slots never written)."""
+
+
+def cache_slots(prompt: int, new_tokens: int) -> int:
+    """Positions the cache holds for a call: every token but the last generated one, rounded up."""
+    needed = prompt + new_tokens - 1
+    return -(-needed // SLOTS_MULTIPLE) * SLOTS_MULTIPLE
+
+
 def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -142,7 +154,7 @@ class CachedSteps:
     def __init__(self, run: Run, empty: list[torch.Tensor], *, sp_multiple: int, mask: torch.Tensor, slots: int,
                  check_rtol: float):
         """``empty``: ``cache_layout``'s empty cache; ``mask``: the prompt's attention mask;
-        ``slots``: positions the cache holds (prompt + new tokens - 1)."""
+        ``slots``: positions the cache holds (``cache_slots``)."""
         self.run, self.empty, self.mask, self.slots, self.check_rtol = run, empty, mask, slots, check_rtol
         self.sp = sp_multiple > 1 and mask.shape[1] % sp_multiple == 0
         self.cache: list[torch.Tensor] = []  # this rank's keys and values, layer by layer
