@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import inspect
 import sys
-from typing import Callable
+from typing import Callable, Container
 
 import torch
 import torch.nn as nn
@@ -42,8 +42,9 @@ from sptransform.logs import logger
 
 log = logger("sptransform.generate")
 
-Run = Callable[[Entry, list, list], list]
-"""``ParallelModule._run_entry``: (entry, this rank's flat inputs, the same at whole shapes) -> outputs."""
+Run = Callable[[Entry, list, list, Container[int]], list]
+"""``ParallelModule._run_entry``: (entry, this rank's flat inputs, the same at whole shapes, outputs
+to keep as this rank's part) -> outputs."""
 
 
 class CacheUnsupported(Exception):
@@ -140,10 +141,6 @@ def cache_slots(prompt: int, new_tokens: int) -> int:
     return -(-needed // SLOTS_MULTIPLE) * SLOTS_MULTIPLE
 
 
-def _local(t):
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _meta(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device="meta")
 
@@ -179,18 +176,16 @@ class CachedSteps:
         prefill, _ = entries(layers, self.sp)
         split = self._split_empty(ids.device)
         out = self.run(prefill, [ids, positions, mask, *split],
-                       [_meta(ids), _meta(positions), _meta(mask), *self.empty])
-        new_kv = out[1:]
-        for t in new_kv:
-            local = _local(t)
+                       [_meta(ids), _meta(positions), _meta(mask), *self.empty], KEYS_AND_VALUES)
+        for local, whole_empty in zip(out[1:], self.empty):
             shape = list(local.shape)
             shape[2] = self.slots
             slot = local.new_zeros(shape)
             slot[:, :, : local.shape[2]] = local
             self.cache.append(slot)
-            whole = list(t.shape)
+            whole = list(whole_empty.shape)
             whole[2] = self.slots
-            self.whole.append(torch.empty(whole, dtype=t.dtype, device="meta"))
+            self.whole.append(torch.empty(whole, dtype=local.dtype, device="meta"))
         self.written = ids.shape[1]
         self.layers = layers
         whole = sum(t.numel() * t.element_size() for t in self.whole)
@@ -224,10 +219,10 @@ class CachedSteps:
         positions = seen.long().sum(-1, keepdim=True)
         _, decode = entries(self.layers, False)
         whole_ids = [_meta(ids), _meta(positions), _meta(mask)]
-        out = self.run(decode, [ids, positions, mask, *self.cache], [*whole_ids, *self.whole])
+        out = self.run(decode, [ids, positions, mask, *self.cache], [*whole_ids, *self.whole], KEYS_AND_VALUES)
         if write:
             for cache, new in zip(self.cache, out[1:]):
-                cache[:, :, slot] = _local(new)[:, :, 0]
+                cache[:, :, slot] = new[:, :, 0]
             self.written = slot + 1
         return _last(out[0])
 

@@ -31,7 +31,7 @@ import contextlib
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Container, Mapping, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -382,11 +382,12 @@ class ParallelModule(ModuleCore):
 
     # -- other forwards of the module: generate's KV-cache steps ---------------
 
-    def _run_entry(self, entry: Entry, args: Sequence, whole: Sequence) -> list:
+    def _run_entry(self, entry: Entry, args: Sequence, whole: Sequence, local: Container[int] = ()) -> list:
         """Run another forward of the module (``entry``) on the flat inputs ``args``, its split
         inputs as this rank's parts (or whole, and cut here); ``whole``: the same inputs at their
         whole shapes (meta tensors will do), for the capture and the cache key. Returns the flat outputs, the split ones
-        (``entry.split_outputs``, vocabulary-split logits) as DTensors. No input checks: only
+        (``entry.split_outputs``, vocabulary-split logits) as DTensors but those at the positions
+        ``local``, which stay this rank's part (no DTensor to build per call). No input checks: only
         ``generate`` calls this, with inputs it built (every rank the same tokens)."""
         self._state_values()  # where and in which dtypes the state is
         key = (entry.name, self._mode_key(), self._dtypes, input_signature(tuple(whole), {}))
@@ -408,7 +409,8 @@ class ParallelModule(ModuleCore):
         outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
         if graph.plan is not None:
             for index, (spec, size) in graph.plan.output_specs.items():
-                outputs[index] = self._as_dtensor(outputs[index], spec, size)
+                if index not in local:
+                    outputs[index] = self._as_dtensor(outputs[index], spec, size)
         return outputs
 
     # -- generation -----------------------------------------------------------
