@@ -309,7 +309,7 @@ def generate_tokens(model: nn.Module, input_ids: torch.Tensor, *, source: nn.Mod
             steps = padded
             scores = steps.scores(tokens)
         chosen = _choose(scores, options).to(tokens.dtype)
-        if agree is not None:
+        if agree is not None and options.do_sample:  # greedy: every rank has the same gathered logits
             chosen = agree(chosen)
         if options.eos_token_id:
             chosen = torch.where(unfinished, chosen, options.pad_token_id)

@@ -129,6 +129,7 @@ class ParallelModule(ModuleCore):
         self._state_owners: list[tuple[nn.Module, str]] | None = None  # see _state_values
         self._graphs: OrderedDict[tuple, _Cached] = OrderedDict()
         self._entry_graphs: OrderedDict[tuple, ParallelGraph] = OrderedDict()  # see _run_entry
+        self._cache_layouts: dict[tuple, list[torch.Tensor]] = {}  # see _cache_layout
         example_kwargs = {**self._call_defaults, **example_kwargs}
         check_call(example_args, example_kwargs, self._call_defaults, example=True)
         self._example_inputs = describe_inputs(example_args, example_kwargs)
@@ -416,8 +417,9 @@ class ParallelModule(ModuleCore):
     # -- generation -----------------------------------------------------------
 
     def generate(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
-        """HF-style ``generate`` (greedy or sampled; ``runtime.generate``, no KV cache yet): the
-        prompt followed by the new tokens, equal on every rank (tensor-parallel rank 0's choice)."""
+        """HF-style ``generate`` (greedy or sampled; ``runtime.generate``, with a KV cache split by
+        heads where ``runtime.kv_cache`` applies): the prompt followed by the new tokens, equal on
+        every rank (tensor-parallel rank 0's choice)."""
         if self._options.dp > 1:
             raise ValueError(
                 f"generate() runs on tensor-parallel ranks only, and this module has dp={self._options.dp}: "
@@ -426,9 +428,16 @@ class ParallelModule(ModuleCore):
         multiple = self._options.tp if self._options.sp else 1
         template = self._factory.template
         return generate_tokens(self, input_ids, source=template.module, multiple=multiple, agree=self._agree_tokens,
-                               run=self._run_entry,
-                               layout=lambda batch: cache_layout(template.module, template.fake_mode, template.device,
-                                                                 batch), **kwargs)
+                               run=self._run_entry, layout=self._cache_layout, **kwargs)
+
+    def _cache_layout(self, batch: int) -> list[torch.Tensor]:
+        """The model's empty KV cache for ``batch`` rows (``kv_cache.cache_layout``: a fake forward,
+        over a second for a small model, so kept per batch size and dtypes)."""
+        key = (batch, self._dtypes)
+        if key not in self._cache_layouts:
+            template = self._factory.template
+            self._cache_layouts[key] = cache_layout(template.module, template.fake_mode, template.device, batch)
+        return self._cache_layouts[key]
 
     def _agree_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """Tensor-parallel rank 0's tokens on every rank (a broadcast): ranks whose default
