@@ -21,7 +21,7 @@ from sptransform.graph.rules import split_dim, split_output_specs
 
 aten = torch.ops.aten
 
-_SIZE_ARG = {aten.view: 1, aten.reshape: 1, aten._unsafe_view: 1, aten.expand: 1}
+_SIZE_ARG = {aten.view: 1, aten.reshape: 1, aten._unsafe_view: 1, aten.expand: 1, aten.broadcast_to: 1}
 _FACTORY_SIZE_ARG = {aten.new_zeros: 1, aten.new_ones: 1, aten.new_empty: 1, aten.new_full: 1,
                      aten.zeros: 0, aten.ones: 0, aten.empty: 0, aten.full: 0}
 

@@ -83,7 +83,7 @@ POINTWISE = OpRule(pointwise_links, linked_forward, linked_backward)
 _LAYOUT = {  # only move data: (links, partial sums pass)
     aten.transpose: transpose_links, aten.t: t_links, aten.numpy_T: t_links, aten.mT: t_links,
     aten.permute: permute_links, aten.unsqueeze: unsqueeze_links, aten.squeeze: squeeze_links,
-    aten.expand: expand_links,
+    aten.expand: expand_links, aten.broadcast_to: expand_links,  # broadcast_to(x, size) is expand(x, size)
 }
 _COPIES = {aten.clone, aten.contiguous, aten.alias, aten.detach, aten.to, aten._to_copy, aten.type_as,
            aten.lift_fresh_copy}
