@@ -93,6 +93,20 @@ def test_pointwise_with_broadcasting_cuts_the_broadcast_operand_only_where_it_ha
     assert _backward(add, whole(0, 4)) == {x: whole(0, 4), b: None}
 
 
+def test_broadcast_to_keeps_a_split_of_the_dims_it_does_not_grow_and_its_size_is_localized():
+    """Falcon's new decoder architecture broadcasts its K/V groups to the query heads with
+    ``broadcast_to``; under sequence parallelism the sequence dim arrives split, and the op's
+    size argument must name the local length (the shape check refused it when it did not)."""
+    from sptransform.passes.localize import _SIZE_ARG
+
+    gm = _graph(lambda x: aten.broadcast_to.default(x, [2, 8, 1, 4, 8]), torch.randn(2, 8, 1, 1, 8))
+    (x,), op = _inputs(gm), _op(gm, aten.broadcast_to)
+    decision = _forward(op, {x: whole(1, 8)})
+    assert decision.output == whole(1, 8) and decision.needs == {x: whole(1, 8)}
+    assert _backward(op, whole(1, 8)) == {x: whole(1, 8)}
+    assert _SIZE_ARG[aten.broadcast_to] == 1  # the size argument: rewritten to the local length
+
+
 def test_softmax_may_not_be_split_along_the_dim_it_normalizes():
     gm = _graph(lambda x: aten._softmax.default(x, -1, False), torch.randn(4, 8))
     (x,), softmax = _inputs(gm), _op(gm, aten._softmax)
