@@ -175,8 +175,11 @@ class CachedSteps:
         layers = len(self.empty) // 2
         prefill, _ = entries(layers, self.sp)
         split = self._split_empty(ids.device)
-        out = self.run(prefill, [ids, positions, mask, *split],
-                       [_meta(ids), _meta(positions), _meta(mask), *self.empty], KEYS_AND_VALUES)
+        try:
+            out = self.run(prefill, [ids, positions, mask, *split],
+                           [_meta(ids), _meta(positions), _meta(mask), *self.empty], KEYS_AND_VALUES)
+        except ValueError as err:  # not capturable, or needs other splits than the module holds
+            raise CacheUnsupported(f"its prefill graph could not be built: {err}") from err
         for local, whole_empty in zip(out[1:], self.empty):
             shape = list(local.shape)
             shape[2] = self.slots
@@ -199,7 +202,10 @@ class CachedSteps:
         """Decode the prompt's last token again against the slots before it and compare with the
         prefill's logits there: a model whose positions do not follow ``position_ids`` (or whose
         cache is not a plain concatenation) differs. Raises ``CacheUnsupported``."""
-        logits = self._decode(self._last_prompt, self.written - 1, write=False)
+        try:
+            logits = self._decode(self._last_prompt, self.written - 1, write=False)
+        except ValueError as err:
+            raise CacheUnsupported(f"its decode graph could not be built: {err}") from err
         reference = self._prefill_logits
         error = ((logits - reference).norm() / reference.norm().clamp_min(torch.finfo(reference.dtype).tiny)).item()
         if not error <= self.check_rtol:
