@@ -50,7 +50,8 @@ import torch.fx as fx
 
 from sptransform.capture import CapturedGraph, Entry, FakeTemplate, capture
 from sptransform.logs import logger
-from sptransform.graph.analysis import ModelAnalysis, analyze, constant_nodes, parameter_placements
+from sptransform.graph.analysis import analyze, constant_nodes, parameter_placements
+from sptransform.graph.findings import ModelAnalysis
 from sptransform.graph.lookups import constant_lookup_problems
 from sptransform.graph.gradients import GradientPlan, gradient_plan
 from sptransform.graph.nodes import shape_of

@@ -20,21 +20,23 @@
 * **norms** are ``layer_norm``/``rms_norm`` or the decomposed RMSNorm
   ``x * rsqrt(mean(x**2, -1) + eps)``.
 
-Nothing here reads module paths or node names.
+The records found are ``graph.findings``; the words for what stays whole, and for a ``tp`` that
+a block's sizes do not allow, are ``graph.reasons``. Nothing here reads module paths or node names.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
-from typing import Container, Literal
+from typing import Container
 
 import torch
 import torch.fx as fx
 
 from sptransform.capture import CapturedGraph
-from sptransform.graph.nodes import describe, is_grouped_mm, packet, shape_of
+from sptransform.graph.findings import EmbeddingMatch, LinearMatch, ModelAnalysis, Region
+from sptransform.graph.nodes import MOVES_ONLY, describe, forward_closure, is_grouped_mm, packet, shape_of, tensor_nbytes
 from sptransform.graph.placement import DimShard, ParamPlacement, whole
+from sptransform.graph.reasons import divisibility_message, whole_reasons
 from sptransform.graph.rules.forward import READS_METADATA_ONLY
 from sptransform.graph.rules import (
     CUT, ShardingError, input_specs_for_output, is_getitem, is_split, slice_bounds, slices_input_spec, split_chunks,
@@ -46,99 +48,6 @@ aten = torch.ops.aten
 
 _WEIGHT_VIEWS = {aten.t, aten.transpose, aten.permute, aten.alias, aten.detach, aten.numpy_T, aten.mT}
 _REVERSED = {aten.t, aten.numpy_T, aten.mT}  # on a 2-D weight: the two dims swap
-
-
-@dataclass(frozen=True)
-class LinearMatch:
-    node: fx.Node
-    input: fx.Node
-    """The activation operand."""
-    weight: fx.Node
-    """The parameter placeholder."""
-    weight_name: str
-    out_dim: int
-    """Dim of the parameter that indexes output features."""
-    bias: fx.Node | None
-    """The bias's parameter placeholder."""
-    bias_name: str | None
-    in_features: int
-    out_features: int
-    """Of the weight the linear reads: the piece's, when it reads a piece."""
-    weight_piece: tuple[int, int] | None = None
-    """``(start, length)`` along ``out_dim`` of the parameter when the linear reads a piece of it
-    (``w_q, w_kv = w.split([E, 2 * E])``, ``w.chunk(3)[i]``, ``w[a:b]``); None: all of it."""
-    bias_piece: tuple[int, int] | None = None
-    """The same for the bias (``b_q, b_k, b_v = b.chunk(3)``)."""
-    in_dim: int | None = None
-    """Dim of the parameter that indexes input features (None: the other of a 2-D weight's two)."""
-    per_group: bool = False
-    """A grouped matmul (``nodes.GROUPED_MM_OPS``): the parameter holds one ``[K, N]`` weight per
-    expert, each split alike (experts' gate/up column-wise, down row-wise)."""
-
-    @property
-    def weight_in_dim(self) -> int:
-        return 1 - self.out_dim if self.in_dim is None else self.in_dim
-
-    @property
-    def weight_label(self) -> str:
-        """The weight's name, with the rows read when a piece (``attn.in_proj_weight[32:96]``)."""
-        if self.weight_piece is None:
-            return self.weight_name
-        start, length = self.weight_piece
-        return f"{self.weight_name}[{start}:{start + length}]"
-
-
-@dataclass(frozen=True)
-class EmbeddingMatch:
-    node: fx.Node
-    weight: fx.Node
-    weight_name: str
-    num_embeddings: int
-
-
-@dataclass
-class Region:
-    """Column-parallel linears feeding one row-parallel linear."""
-
-    row: LinearMatch
-    columns: dict[fx.Node, DimShard]
-    """Each column linear's node -> how its output features are split."""
-    specs: dict[fx.Node, object]
-    """Every node inside -> its output split (a list for ``split`` nodes)."""
-    cuts: list[tuple[fx.Node, DimShard]]
-    """Replicated tensors entering the region that are cut to the local part."""
-    column_linears: dict[fx.Node, LinearMatch] = field(default_factory=dict)
-    kind: Literal["attention", "mlp"] = "mlp"
-    layer: int = 0
-
-
-@dataclass
-class ModelAnalysis:
-    linears: dict[fx.Node, LinearMatch]
-    embeddings: list[EmbeddingMatch]
-    regions: list[Region]
-    head: LinearMatch | None
-    loss: fx.Node | None
-    vocab_embeddings: list[EmbeddingMatch]
-    norms: list[fx.Node] = field(default_factory=list)
-    dropouts: list[fx.Node] = field(default_factory=list)
-    seq_len: int | None = None
-    """The attention's query length (None without attention)."""
-    notes: list[str] = field(default_factory=list)
-    """What runs replicated, and why."""
-    fused: dict[str, DimShard] = field(default_factory=dict)
-    """Parameters the linears read in pieces -> their split (each piece's column split, side by side)."""
-    kept_whole: set[str] = field(default_factory=set)
-    """Parameters read in pieces that no split fits: replicated (``notes`` says why)."""
-    param_bytes: dict[str, int] = field(default_factory=dict)
-    """Every parameter's bytes, whole (as captured)."""
-    whole_reasons: dict[str, str] = field(default_factory=dict)
-    """Parameter -> which rule leaves it whole on every rank, for those no region splits
-    (``explain()`` names the largest)."""
-
-    @property
-    def num_layers(self) -> int:
-        return 1 + max((r.layer for r in self.regions), default=-1)
 
 
 # ---------------------------------------------------------------------------
@@ -308,22 +217,10 @@ def _is_rms_rsqrt(node: fx.Node) -> bool:
 def find_loss(graph: fx.Graph, head: fx.Node | None) -> fx.Node | None:
     if head is None:
         return None
-    for node in _forward_closure([head]):
+    for node in forward_closure([head]):
         if packet(node) is aten.cross_entropy_loss:
             return node
     return None
-
-
-def _forward_closure(starts) -> list[fx.Node]:
-    seen, stack, order = set(), list(starts), []
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        order.append(n)
-        stack.extend(n.users)
-    return order
 
 
 # ---------------------------------------------------------------------------
@@ -451,12 +348,22 @@ def trace_region(
     )
 
 
+def _walks(graph: fx.Graph, lm: LinearMatch, linears: dict[fx.Node, LinearMatch], derived: set[fx.Node],
+           tp: int) -> bool:
+    """Whether the region walk back from ``lm`` succeeds at ``tp``."""
+    try:
+        trace_region(graph, lm, linears, derived, tp)
+    except ShardingError:
+        return False
+    return True
+
+
 def analyze(captured: CapturedGraph, tp: int, exits: Container[fx.Node] = ()) -> ModelAnalysis:
     """Find linears, regions, embeddings, head and loss; errors name what was not recognized.
     ``exits``: outputs returned split, which may read a region's split tensors."""
     graph = captured.gm.graph
     linears = find_linears(captured)
-    derived = set(_forward_closure(list(linears)))
+    derived = set(forward_closure(list(linears)))
     regions: list[Region] = []
     failures: dict[fx.Node, ShardingError] = {}
     indivisible: list[str] = []
@@ -471,7 +378,8 @@ def analyze(captured: CapturedGraph, tp: int, exits: Container[fx.Node] = ()) ->
         try:
             regions.append(trace_region(graph, lm, linears, derived, tp, exits))
         except ShardingError as err:
-            indivisible.append(_divisibility_message(graph, lm, linears, derived, tp, structure, err))
+            workable = [c for c in range(1, 65) if _walks(graph, lm, linears, derived, c)]
+            indivisible.append(divisibility_message(structure, tp, err, workable))
     if indivisible:  # every block that tp does not divide, at once
         raise ShardingError(indivisible[0] if len(indivisible) == 1 else
                             f"{len(indivisible)} blocks cannot be split over tp={tp}:\n  " + "\n  ".join(indivisible))
@@ -504,10 +412,9 @@ def analyze(captured: CapturedGraph, tp: int, exits: Container[fx.Node] = ()) ->
         if head is not None and (e.weight is head.weight or (e.num_embeddings == vocab and _reads_user_ids(e, captured)))
     ]
     dropouts = [n for n in graph.nodes if packet(n) is aten.dropout]
-    whole_reasons = _whole_reasons(captured, linears, regions, head, vocab_embeddings, failures, notes, kept_whole)
     return ModelAnalysis(
-        param_bytes={captured.param_of(n): _nbytes(n) for n in captured.state_placeholders if captured.param_of(n)},
-        whole_reasons=whole_reasons,
+        param_bytes={captured.param_of(n): tensor_nbytes(n) for n in captured.state_placeholders if captured.param_of(n)},
+        whole_reasons=whole_reasons(captured, linears, regions, head, vocab_embeddings, failures, notes, kept_whole),
         seq_len=_query_length(graph),
         linears=linears,
         embeddings=embeddings,
@@ -521,73 +428,6 @@ def analyze(captured: CapturedGraph, tp: int, exits: Container[fx.Node] = ()) ->
         fused=fused,
         kept_whole=kept_whole,
     )
-
-
-def _nbytes(node: fx.Node) -> int:
-    value = node.meta.get("val")
-    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
-
-
-def _whole_reasons(captured: CapturedGraph, linears: dict[fx.Node, LinearMatch], regions: list[Region],
-                   head: LinearMatch | None, vocab_embeddings: list[EmbeddingMatch],
-                   failures: dict[fx.Node, ShardingError], notes: list[str], kept_whole: set[str]) -> dict[str, str]:
-    """Parameter -> the rule that leaves it whole, for every parameter no region, head or
-    vocabulary embedding splits. Read off the same facts the analysis used: how the linears
-    reading it were placed, else which ops read it."""
-    split: set[str] = set()
-    for region in regions:
-        split.add(region.row.weight_name)
-        for lm in region.column_linears.values():
-            split.update(n for n in (lm.weight_name, lm.bias_name) if n)
-    if head is not None:
-        split.update(n for n in (head.weight_name, head.bias_name) if n)
-    split.update(e.weight_name for e in vocab_embeddings)
-    cut = {n: r for r in regions for n, _ in r.cuts if n in linears}
-    reasons: dict[str, str] = {}
-    for name in sorted(kept_whole):
-        reasons[name] = next((n.split(": ", 1)[1] for n in notes if n.startswith(f"parameter {name!r}, read in pieces")),
-                             "read in pieces that no split fits")
-    for node, lm in linears.items():
-        for name in (lm.weight_name, lm.bias_name):
-            if not name or name in split or name in reasons:
-                continue
-            if node in cut:
-                reasons[name] = (f"its linear runs whole and its output is cut inside the {cut[node].kind} block of "
-                                 f"{cut[node].row.weight_name!r} (fewer heads than tp, or a split the walk cannot carry)")
-            elif lm.weight_piece is None:
-                reasons[name] = _neither_reason(node, failures)
-    for node in captured.state_placeholders:
-        name = captured.param_of(node)
-        if not name or name in split or name in reasons:
-            continue
-        readers = sorted({str(packet(u)).rsplit(".", 1)[-1] for u in _readers_through_views(node)})
-        reasons[name] = (f"no linear reads it: read by {', '.join(readers) or 'nothing'} (elementwise, norm, router "
-                         "or lookup ops run on whole parameters)")
-    return reasons
-
-
-def _neither_reason(node: fx.Node, failures: dict[fx.Node, ShardingError]) -> str:
-    """Why a linear is in no region: what stopped it as a row-parallel linear, and what stopped the
-    walk back from the first linear it feeds (which would have made it column-parallel)."""
-    why = [f"as a row-parallel linear, {failures[node]}"] if node in failures else []
-    fed = [n for n in _forward_closure([node]) if n is not node and n in failures]
-    if fed:
-        position = {n: i for i, n in enumerate(node.graph.nodes)}
-        first = min(fed, key=position.__getitem__)
-        why.append(f"as a column-parallel one feeding {describe(first)}, {failures[first]}")
-    return "its linear is neither column- nor row-parallel" + (f" ({'; '.join(why)})" if why else "")
-
-
-def _readers_through_views(node: fx.Node) -> list[fx.Node]:
-    """The ops that read ``node``, looking through views and casts of it."""
-    found, stack = [], list(node.users)
-    while stack:
-        user = stack.pop()
-        if user.op == "call_function" and packet(user) in _MOVES_ONLY:
-            stack.extend(user.users)
-        else:
-            found.append(user)
-    return found
 
 
 def _fused_parameters(linears: dict[fx.Node, LinearMatch], regions: list[Region],
@@ -662,50 +502,6 @@ def _reads_user_ids(embedding: EmbeddingMatch, captured: CapturedGraph) -> bool:
     return node in captured.user_placeholders
 
 
-def _divisibility_message(graph, lm, linears, derived, tp, structure: Region, err) -> str:
-    workable = []
-    for candidate in range(1, 65):
-        try:
-            trace_region(graph, lm, linears, derived, candidate)
-            workable.append(candidate)
-        except ShardingError:
-            pass
-    return (
-        f"tp={tp} does not divide the {_sizes(structure)} of the {structure.kind} block whose output "
-        f"projection is {structure.row.weight_name!r} ({err}); use tp in {{{', '.join(map(str, workable))}}}"
-    )
-
-
-def _sizes(region: Region) -> str:
-    """What the split must divide, in the user's words: heads or MLP width."""
-    for node in region.specs:
-        if packet(node) is aten.scaled_dot_product_attention:
-            q, k = node.args[:2]
-            return f"{shape_of(q)[-3]} attention heads / {_kv_heads(k)} K/V heads"
-        if packet(node) in (aten.softmax, aten._softmax):
-            return f"{shape_of(node)[-3]} attention heads (or their K/V heads)"
-    return f"MLP width {region.row.in_features}"
-
-
-_HEAD_REPEATS = (aten.reshape, aten.view, aten._unsafe_view, aten.expand, aten.unsqueeze, aten.repeat_interleave,
-                 aten.clone, aten.slice)
-"""Ops by which model code (HF's ``repeat_kv``: unsqueeze, expand, reshape) or our
-``repeat_grouped_kv`` repeats grouped K/V heads up to the query's count before attention."""
-
-
-def _kv_heads(k: fx.Node) -> int:
-    """The K/V heads the model has, not the repeated count attention reads: the fewest heads of
-    the 4-D tensors ``k`` is made from through head repeats (a message that said "4 K/V heads"
-    for a model with 2 would send the user to the wrong fix)."""
-    heads, node = shape_of(k)[-3], k
-    while isinstance(node, fx.Node) and packet(node) in _HEAD_REPEATS and node.args:
-        node = node.args[0]
-        shape = shape_of(node) if isinstance(node, fx.Node) else None
-        if shape is not None and len(shape) == 4:
-            heads = min(heads, shape[-3])
-    return heads
-
-
 def _query_length(graph: fx.Graph) -> int | None:
     """The sequence length as attention sees it: rows of the score matrix of the first attention
     (a fused kernel, or a softmax over a square-ish score matrix)."""
@@ -717,15 +513,11 @@ def _query_length(graph: fx.Graph) -> int | None:
     return None
 
 
-_MOVES_ONLY = {aten.view, aten.reshape, aten._unsafe_view, aten.to, aten._to_copy, aten.contiguous, aten.clone,
-               aten.alias, aten.detach, aten.slice, aten.transpose, aten.permute, aten.squeeze, aten.unsqueeze}
-
-
 def _pick_head(leftovers: list[LinearMatch]) -> LinearMatch | None:
     """The head: the last leftover linear whose output reaches a cross-entropy, or else reaches a
     graph output through data movement only (logits returned as they are)."""
     def reaches_loss(lm: LinearMatch) -> bool:
-        return any(packet(n) is aten.cross_entropy_loss for n in _forward_closure([lm.node]))
+        return any(packet(n) is aten.cross_entropy_loss for n in forward_closure([lm.node]))
 
     def returned(lm: LinearMatch) -> bool:
         stack, seen = [lm.node], set()
@@ -734,7 +526,7 @@ def _pick_head(leftovers: list[LinearMatch]) -> LinearMatch | None:
             for user in node.users:
                 if user.op == "output":
                     return True
-                if user not in seen and user.op == "call_function" and packet(user) in _MOVES_ONLY:
+                if user not in seen and user.op == "call_function" and packet(user) in MOVES_ONLY:
                     seen.add(user)
                     stack.append(user)
         return False

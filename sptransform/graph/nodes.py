@@ -222,3 +222,21 @@ def describe(node: fx.Node) -> str:
     user = [f for f in frames if "/torch/" not in f[0]] or frames
     where = f" at {user[-1][0]}: {user[-1][1]}" if user else ""
     return f"{target} (node {node.name}){where}"
+
+
+MOVES_ONLY = frozenset({aten.view, aten.reshape, aten._unsafe_view, aten.to, aten._to_copy, aten.contiguous, aten.clone,
+                        aten.alias, aten.detach, aten.slice, aten.transpose, aten.permute, aten.squeeze, aten.unsqueeze})
+"""Op packets that only move, view or cast data: looked through to find who really reads a tensor."""
+
+
+def forward_closure(starts) -> list[fx.Node]:
+    """``starts`` and every node downstream of them, each once (depth first)."""
+    seen, stack, order = set(), list(starts), []
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        order.append(n)
+        stack.extend(n.users)
+    return order

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from sptransform.capture import CapturedGraph
-from sptransform.graph.analysis import ModelAnalysis, analyze
+from sptransform.graph.analysis import analyze
+from sptransform.graph.findings import ModelAnalysis
 from sptransform.graph.placement import ParamPlacement  # noqa: F401  (re-exported)
 from sptransform.graph.placement import DimShard
 

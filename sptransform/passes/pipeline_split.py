@@ -39,7 +39,7 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 
-from sptransform.graph.analysis import ModelAnalysis
+from sptransform.graph.findings import ModelAnalysis
 from sptransform.graph.blocks import ResidualBlock, describe_layers, find_residual_blocks, group_layers
 from sptransform.graph.cost import node_cost
 from sptransform.capture import CapturedGraph
