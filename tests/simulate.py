@@ -1,5 +1,7 @@
 """In-process simulation of N ranks: the fake process group plus LocalTensorMode,
-and helpers to read every simulated rank's value."""
+and helpers to read every simulated rank's value. For real gloo ranks: spawning them
+(``spawn_with_deadline``) and, on each, training the parallel module beside the unmodified
+model it came from (``train_like_reference``, ``assert_grads_match``, ``assert_params_match``)."""
 
 from __future__ import annotations
 
@@ -118,6 +120,78 @@ def train_side_by_side(make_model, inputs: tuple, *, tp: int, sp: bool, steps: i
         for name, p in pm.named_parameters():
             assert_all_ranks_close(p.data, ref_params[name].data, rtol=1e-4, atol=1e-5, what=f"param {name}")
     return pm
+
+
+def _gathered(t):
+    """A DTensor's full value, gathered from every rank; anything else as it is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def assert_grads_match(pm, ref, *, rtol: float, atol: float, what: str = "") -> None:
+    """On a real rank: every parameter's gradient of the parallel module ``pm``, gathered from
+    the ranks (``full_tensor``), equals the gradient of the same-named parameter of ``ref``."""
+    ref_params = dict(ref.named_parameters())
+    for name, p in pm.named_parameters():
+        torch.testing.assert_close(_gathered(p.grad), ref_params[name].grad, rtol=rtol, atol=atol,
+                                   msg=lambda m, n=name: f"{what}grad of {n}: {m}")
+
+
+def assert_params_match(pm, ref, *, rtol: float, atol: float, what: str = "") -> None:
+    """On a real rank: every parameter of ``pm``, gathered, equals ``ref``'s of the same name."""
+    ref_params = dict(ref.named_parameters())
+    for name, p in pm.named_parameters():
+        torch.testing.assert_close(_gathered(p).detach(), ref_params[name].detach(), rtol=rtol, atol=atol,
+                                   msg=lambda m, n=name: f"{what}{n}: {m}")
+
+
+def train_like_reference(pm, ref, batches, *, loss_tol: tuple[float, float], grad_tol: tuple[float, float],
+                         optimizer=None, grad_steps=None, logits_tol=None, params_tol=None, seed: int | None = None,
+                         clip_norm: float | None = None, step_after_last: bool = True, parallel=None,
+                         what: str = "") -> None:
+    """On a real rank (run by every rank of the group alike): train the parallel module ``pm``
+    beside ``ref``, the unmodified model, whole on this process, one batch a step, and assert
+    that they agree at each step: the loss; with ``logits_tol`` the logits, gathered; every
+    parameter's gradient, gathered (``assert_grads_match``), at the steps in ``grad_steps``
+    (every step if None); and after the last step, with ``params_tol``, every parameter
+    (``assert_params_match``). Tolerances are ``(rtol, atol)``.
+
+    ``optimizer(parameters)`` builds each side's optimizer (None: no step); each side steps after
+    each batch, after clipping its gradients' norm to ``clip_norm`` if given, except after the
+    last batch when ``step_after_last`` is False. With ``seed``, ``torch.manual_seed(seed + step)``
+    comes before each side's forward, so that both draw the same dropout masks
+    (``dropout_rng="reference"``). ``parallel`` is what the parallel side's batches are fed to
+    (``torch.compile(pm)``; ``pm`` if None). A batch is a dict of keyword arguments or a tuple of
+    positional ones; the loss is the output, its last element or its ``.loss``."""
+    parallel = pm if parallel is None else parallel
+    optimizers = (optimizer(pm.parameters()), optimizer(ref.parameters())) if optimizer else ()
+    for step, batch in enumerate(batches):
+        at = f"{what}step {step}: "
+        outputs = []
+        for model in (ref, parallel):
+            if seed is not None:
+                torch.manual_seed(seed + step)
+            out = model(**batch) if isinstance(batch, dict) else model(*batch)
+            _loss_of(out).backward()
+            outputs.append(out)
+        ref_out, out = outputs
+        torch.testing.assert_close(_loss_of(out).detach(), _loss_of(ref_out).detach(), rtol=loss_tol[0],
+                                   atol=loss_tol[1], msg=lambda m: f"{at}loss: {m}")
+        if logits_tol is not None:
+            torch.testing.assert_close(_gathered(out.logits), ref_out.logits.detach(), rtol=logits_tol[0],
+                                       atol=logits_tol[1], msg=lambda m: f"{at}logits: {m}")
+        if grad_steps is None or step in grad_steps:
+            assert_grads_match(pm, ref, rtol=grad_tol[0], atol=grad_tol[1], what=at)
+        if not optimizers or (step == len(batches) - 1 and not step_after_last):
+            continue
+        if clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(pm.parameters(), clip_norm)
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip_norm)
+        for opt in optimizers:
+            opt.step()
+        for opt in optimizers:
+            opt.zero_grad()
+    if params_tol is not None:
+        assert_params_match(pm, ref, rtol=params_tol[0], atol=params_tol[1], what=f"{what}after the optimizer steps: ")
 
 
 def _loss_of(out):

@@ -31,13 +31,14 @@ import torch.distributed as dist
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
-from simulate import spawn_with_deadline
+from simulate import assert_grads_match, spawn_with_deadline, train_like_reference
 from tiny_models import LayoutConfig, LayoutLM
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 257  # the vocab-parallel head's last shard is narrower (padded)
+LOSS, GRADS = (1e-5, 1e-6), (1e-4, 1e-5)  # (rtol, atol) of the loss, and of the logits and every gradient
 CACHE_VOCAB = 61  # uneven over tp=2: the ranks' graphs differ
 
 
@@ -58,11 +59,8 @@ def _inductor_graphs() -> int:
     return seen["fxgraph_cache_miss"] + seen["fxgraph_cache_hit"] + seen["fxgraph_cache_bypass"]
 
 
-def _assert_grads(pm, ref, what: str) -> None:
-    ref_params = dict(ref.named_parameters())
-    for name, p in pm.named_parameters():
-        torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad, rtol=1e-4, atol=1e-5,
-                                   msg=lambda m, n=name: f"{what}: grad of {n}: {m}")
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3, eps=1e-4)
 
 
 def _recompute_compiled_with_inductor(world: int) -> None:
@@ -79,19 +77,8 @@ def _recompute_compiled_with_inductor(world: int) -> None:
     before = _inductor_graphs()
     pm = sptransform.parallelize(model, tp=world, example_inputs=batches[0], recompute="selective",
                                  compile="inductor", dropout_rng="reference")
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-4)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-4)
-    for step, batch in enumerate(batches):
-        torch.manual_seed(100 + step)
-        ref_loss = ref(**batch).loss
-        ref_loss.backward()
-        torch.manual_seed(100 + step)
-        loss = pm(**batch).loss
-        loss.backward()
-        torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
-        _assert_grads(pm, ref, f"recompute+inductor step {step}")
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
+    train_like_reference(pm, ref, batches, optimizer=_adamw, loss_tol=LOSS, grad_tol=GRADS, seed=100,
+                         what="recompute+inductor ")
     compiled = _inductor_graphs() - before
     assert compiled == 2, f"{compiled}: inductor compiles the partitioned forward and backward, once"
 
@@ -112,7 +99,7 @@ def _pipeline_stages_compiled_with_inductor(world: int) -> None:
     ref_loss.backward()
     loss = pm.step(**batch)
     torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
-    _assert_grads(pm, ref, "pipeline+inductor")
+    assert_grads_match(pm, ref, rtol=GRADS[0], atol=GRADS[1], what="pipeline+inductor: ")
     assert _inductor_graphs() - before >= 2, "this rank's stage forward and backward went through inductor"
 
 
@@ -133,20 +120,15 @@ def _torch_compile_trains_from_loss_beside_dtensor_logits(world: int) -> None:
                for seq in (16, 24)]
     pm = sptransform.parallelize(model, tp=world, example_inputs=batches[0])
     compiled = torch.compile(pm)
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-4)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-4)
-    before = _inductor_graphs()
-    for step, batch in enumerate(batches):
-        ref_out = ref(**batch)
-        ref_out.loss.backward()
+
+    def with_dtensor_logits(**batch):
         out = compiled(**batch)
         assert isinstance(out.logits, DTensor), type(out.logits)
-        torch.testing.assert_close(out.logits.full_tensor(), ref_out.logits.detach(), rtol=1e-4, atol=1e-5)
-        out.loss.backward()
-        torch.testing.assert_close(out.loss.detach(), ref_out.loss.detach(), rtol=1e-5, atol=1e-6)
-        _assert_grads(pm, ref, f"torch.compile(pm) seq {batch['input_ids'].shape[1]}")
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
+        return out
+
+    before = _inductor_graphs()
+    train_like_reference(pm, ref, batches, parallel=with_dtensor_logits, optimizer=_adamw, loss_tol=LOSS,
+                         grad_tol=GRADS, logits_tol=GRADS, what="torch.compile(pm), seq 16 then 24: ")
     # forward and backward for each sequence length
     assert _inductor_graphs() - before >= 4, _inductor_graphs() - before
 
@@ -176,13 +158,8 @@ def _layouts_compiled_with_inductor(config: LayoutConfig, policy) -> None:
     ids, targets = torch.randint(0, config.vocab, (2, 8)), torch.randint(0, config.vocab, (2, 8))
     pm = sptransform.parallelize(model, tp=dist.get_world_size(), example_inputs=(ids, targets), recompute=policy,
                                  compile="inductor")
-    loss = pm(ids, targets)
-    loss.backward()
-    ref_loss = ref(ids, targets)
-    ref_loss.backward()
     what = f"{config}, recompute={policy!r}"
-    torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
-    _assert_grads(pm, ref, what)
+    train_like_reference(pm, ref, [(ids, targets)], loss_tol=LOSS, grad_tol=GRADS, what=f"{what}: ")
     if dist.get_rank() == 0 and os.environ.get("SPTRANSFORM_TEST_TIMES"):
         print(f"{what}: {time.perf_counter() - start:.1f} s", flush=True)
 
@@ -211,22 +188,15 @@ def _one_step_like_one_device(how: str, world: int) -> dict[str, int]:
     ref = copy.deepcopy(model)
     torch.manual_seed(1)
     batch = dict(input_ids=torch.randint(0, CACHE_VOCAB, (2, 8)), labels=torch.randint(0, CACHE_VOCAB, (2, 8)))
-    ref_out = ref(**batch)
-    ref_out.loss.backward()
     before = _fx_graph_cache()
     if how == "torch.compile":
         pm = sptransform.parallelize(model, tp=world, example_inputs=batch)
-        out = torch.compile(pm)(**batch)
+        parallel = torch.compile(pm)
     else:
         pm = sptransform.parallelize(model, tp=world, example_inputs=batch, recompute="selective", compile="inductor")
-        out = pm(**batch)
-    out.loss.backward()
-    torch.testing.assert_close(out.loss.detach(), ref_out.loss.detach(), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(out.logits.full_tensor(), ref_out.logits.detach(), rtol=1e-4, atol=1e-5)
-    ref_params = dict(ref.named_parameters())
-    for name, p in pm.named_parameters():
-        torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad, rtol=1e-4, atol=1e-5,
-                                   msg=lambda m, n=name: f"{how}: grad of {n}: {m}")
+        parallel = pm
+    train_like_reference(pm, ref, [batch], parallel=parallel, loss_tol=LOSS, grad_tol=GRADS, logits_tol=GRADS,
+                         what=f"{how}: ")
     return {what: n - before[what] for what, n in _fx_graph_cache().items()}
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from simulate import spawn_with_deadline
+from simulate import spawn_with_deadline, train_like_reference
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
@@ -66,27 +66,11 @@ def _train_and_compare(family: str, world: int) -> None:
     if dist.get_rank() == 0:  # the figure the README quotes (pytest -s shows it)
         print(f"{family}: each rank holds {pm.held_share():.3f} of the parameter bytes at tp={world} + SP")
     assert pm.held_share() <= bound, f"{family}: each rank holds {pm.held_share():.3f} of the parameter bytes\n{pm.explain()}"
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    ref_params = dict(ref.named_parameters())
-    close = dict(rtol=1e-4, atol=1e-5)
-    for step in range(3):  # every gradient at each step, the parameters after two optimizer steps
-        torch.manual_seed(100 + step)
-        ref_loss = ref(**batch).loss
-        ref_loss.backward()
-        torch.manual_seed(100 + step)
-        loss = pm(**batch).loss
-        loss.backward()
-        torch.testing.assert_close(loss.detach(), ref_loss.detach(), **close, msg=lambda m: f"{family} loss, step {step}: {m}")
-        for name, p in pm.named_parameters():
-            torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad, **close,
-                                       msg=lambda m, n=name: f"{family} grad of {n}, step {step}: {m}")
-        if step == 2:
-            break
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
-    for name, p in pm.named_parameters():
-        torch.testing.assert_close(p.full_tensor(), ref_params[name].detach(), **close, msg=lambda m, n=name: f"{family} {n}: {m}")
+    close = (1e-4, 1e-5)  # (rtol, atol)
+    # every gradient at each of 3 steps, the parameters after two optimizer steps
+    train_like_reference(pm, ref, [batch] * 3, optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+                         loss_tol=close, grad_tol=close, params_tol=close, seed=100, step_after_last=False,
+                         what=f"{family} ")
 
 
 def test_moe_families_split_their_experts_and_train_like_the_originals_on_gloo():

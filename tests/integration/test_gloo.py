@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from simulate import free_port
+from simulate import assert_grads_match, free_port, train_like_reference
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
@@ -57,25 +57,9 @@ def _train_and_compare(kind: str, sp: bool, world: int) -> None:
     batches = [dict(input_ids=torch.randint(0, 257, (2, 32)), labels=torch.randint(0, 257, (2, 32)), use_cache=False)
                for _ in range(3)]
     pm = sptransform.parallelize(model, tp=world, sp=sp, example_inputs=batches[0], dropout_rng="reference")
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-4)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-4)
-    ref_params = dict(ref.named_parameters())
-    for step, batch in enumerate(batches):
-        torch.manual_seed(100 + step)
-        ref_loss = ref(**batch).loss
-        ref_loss.backward()
-        torch.manual_seed(100 + step)
-        loss = pm(**batch).loss
-        loss.backward()
-        torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
-        if step == 0:
-            for name, p in pm.named_parameters():
-                torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad, rtol=1e-4, atol=1e-5,
-                                           msg=lambda m, n=name: f"grad of {n}: {m}")
-        torch.nn.utils.clip_grad_norm_(pm.parameters(), 1.0)
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
+    train_like_reference(pm, ref, batches, optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3, eps=1e-4),
+                         loss_tol=(1e-5, 1e-6), grad_tol=(1e-4, 1e-5), grad_steps=(0,), seed=100, clip_norm=1.0,
+                         what=f"{kind} sp={sp} ")
 
 
 def _own_loss_paths(world: int) -> None:
@@ -155,16 +139,13 @@ def _recompute_policies_match_single_device(world: int) -> None:
     ids = torch.randint(0, 257, (2, 32))
     ref_loss = ref(input_ids=ids, labels=ids).loss
     ref_loss.backward()
-    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
     for policy in ("selective", "full", 0.5):
         pm = sptransform.parallelize(copy.deepcopy(model), tp=world, example_inputs=dict(input_ids=ids, labels=ids),
                                      recompute=policy, compile="eager")  # the partition; inductor: test_compile_gloo
         loss = pm(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
-        for name, p in pm.named_parameters():
-            torch.testing.assert_close(p.grad.full_tensor(), ref_grads[name], rtol=1e-4, atol=1e-5,
-                                       msg=lambda m, n=name, pol=policy: f"{pol}: grad of {n}: {m}")
+        assert_grads_match(pm, ref, rtol=1e-4, atol=1e-5, what=f"{policy}: ")
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from simulate import spawn_with_deadline
+from simulate import spawn_with_deadline, train_like_reference
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
@@ -78,28 +78,11 @@ def _train_and_compare(build, sp: bool, most_held: float, world: int) -> None:
     batch = dict(input_ids=torch.randint(0, VOCAB, (2, 16), generator=g), labels=torch.randint(0, VOCAB, (2, 16), generator=g))
     pm = sptransform.parallelize(model, tp=world, sp=sp, example_inputs=batch, compile="eager")
     assert pm.held_share() <= most_held, (build.__name__, pm.held_share())
+    close = (1e-5, 1e-6)  # (rtol, atol)
     # SGD: AdamW's update divides by the root of the squared gradient, which makes a last-bit
     # difference of a near-zero gradient a visible difference of the step
-    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    ref_params = dict(ref.named_parameters())
-    close = dict(rtol=1e-5, atol=1e-6)
-    for step in range(2):
-        ref_loss = ref(**batch).loss
-        ref_loss.backward()
-        loss = pm(**batch).loss
-        loss.backward()
-        torch.testing.assert_close(loss.detach(), ref_loss.detach(), **close)
-        for name, p in pm.named_parameters():
-            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-            torch.testing.assert_close(grad, ref_params[name].grad, **close,
-                                       msg=lambda m, n=name: f"{build.__name__}: grad of {n}: {m}")
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
-    for name, p in pm.named_parameters():
-        value = p.full_tensor() if hasattr(p, "full_tensor") else p
-        torch.testing.assert_close(value.detach(), ref_params[name].detach(), **close,
-                                   msg=lambda m, n=name: f"{build.__name__}: {n} after 2 steps: {m}")
+    train_like_reference(pm, ref, [batch] * 2, optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                         loss_tol=close, grad_tol=close, params_tol=close, what=f"{build.__name__}: ")
 
 
 def test_mqa_gqa_and_mla_train_like_single_device_on_real_ranks():
