@@ -247,7 +247,10 @@ def _capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph
     try:
         # A meta kernel that refuses our inputs is logged with a traceback before the exception
         # we turn into a message: noise above the message (quiet_fake_tensor_meta_failures).
-        with quiet_fake_tensor_meta_failures():
+        # Autograd on whatever the caller's mode (a forward under torch.no_grad() that meets a new
+        # input shape captures again, and its graph is cached for training too): the traced run's
+        # autograd graph is what finds custom Functions (_CustomFunctionWatch).
+        with quiet_fake_tensor_meta_failures(), torch.enable_grad(), _CustomFunctionWatch(template.module) as functions:
             ep = torch.export.export(template.module, fake_args, fake_kwargs, strict=False)
     except Exception as err:  # torch raises many types here; re-raise one the user can act on
         with quiet_fake_tensor_meta_failures():
@@ -329,7 +332,7 @@ def _capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph
             "make the tensor a parameter of the model. Read:\n  " + "\n  ".join(foreign)
         )
     _refuse_data_dependent_shapes(ep.graph_module)
-    _refuse_custom_autograd_functions(template, fake_args, fake_kwargs)
+    _refuse_custom_autograd_functions(functions)
     lost_draws = 0
     if _hidden_writes(ep.graph_module):
         # In-place writes read through another alias: functionalize (no decompositions), so
@@ -585,15 +588,9 @@ _EXACT_BACKWARD = ("torch.utils.checkpoint.CheckpointFunction",)
 _LIBRARY_AUTOGRAD_MODULE = "torch._library.autograd"
 
 
-def _refuse_custom_autograd_functions(template: "FakeTemplate", args: tuple, kwargs: dict) -> None:
-    """``torch.export`` traces a custom ``torch.autograd.Function``'s forward and drops its
-    backward, so the parallel model would differentiate the forward instead. Run the fake copy
-    once with autograd on and name every such function its graph holds."""
-    with template.fake_mode, torch.enable_grad(), quiet_fake_tensor_meta_failures():
-        try:
-            outputs = template.module(*args, **kwargs)
-        except Exception:  # export traced it; a plain fake run failing here says nothing new
-            return
+def _custom_autograd_functions(outputs) -> dict[str, str]:
+    """Every custom ``torch.autograd.Function`` on the autograd graph behind ``outputs`` whose
+    backward tracing the forward would lose: its qualified name -> where its backward is."""
     found: dict[str, str] = {}
     seen, stack = set(), [t.grad_fn for t in pytree.tree_leaves(outputs)
                           if isinstance(t, torch.Tensor) and t.grad_fn is not None]
@@ -609,6 +606,38 @@ def _refuse_custom_autograd_functions(template: "FakeTemplate", args: tuple, kwa
                 code = getattr(forward_cls.backward, "__code__", None)
                 found[name] = f"{code.co_filename}:{code.co_firstlineno}" if code is not None else "?"
         stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return found
+
+
+class _CustomFunctionWatch:
+    """Reads the autograd graph of the forward that ``torch.export`` traces. Non-strict export
+    runs the forward in Python on fake tensors with autograd recording, so its outputs'
+    ``grad_fn`` chain holds a node per custom Function applied (export's graph keeps only the
+    Function's forward ops, no marker). Watching that very run (a forward hook on the fake
+    copy, removed on exit) sees the code path export took. A separate fake run of the forward
+    would not: transformers' MoE experts call ``torch._grouped_mm`` eagerly, whose meta kernel
+    refuses float32 (so that run fails), and its traceable custom op while exported."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.found: dict[str, str] = {}
+
+    def _read(self, module, args, output) -> None:
+        self.found.update(_custom_autograd_functions(output))
+
+    def __enter__(self) -> "_CustomFunctionWatch":
+        self._handle = self.module.register_forward_hook(self._read)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._handle.remove()
+
+
+def _refuse_custom_autograd_functions(watch: _CustomFunctionWatch) -> None:
+    """``torch.export`` traces a custom ``torch.autograd.Function``'s forward and drops its
+    backward, so the parallel model would differentiate the forward instead. Name every such
+    function the traced forward applied (``_CustomFunctionWatch``)."""
+    found = watch.found
     if found:
         raise ValueError(
             "the model calls custom torch.autograd.Function(s) whose backward torch.export does not keep "

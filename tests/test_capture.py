@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 
+from models.zoo import DoubleGrad
 from sptransform.capture import _refuse_hidden_writes
 
 aten = torch.ops.aten
@@ -117,3 +118,60 @@ def test_functional_copies_drop_the_slice_written_into_when_nothing_else_reads_i
     assert functional_copies(gm) == 2
     assert sum(n.target is aten.slice.Tensor for n in gm.graph.nodes) == slices - 2
     torch.testing.assert_close(gm(a, b)[0], torch.cat([a, b], 1))
+
+
+# -- custom autograd.Functions in a forward whose plain run cannot be traced --------------------
+
+_E, _H, _I, _V = 4, 16, 32, 64  # experts, hidden, expert width, vocabulary
+
+
+def _grouped_mm(x, w, offs):
+    # As transformers' MoE experts on CPU: torch's kernel eagerly, transformers' custom op while
+    # traced; a fake run of torch's kernel fails (its meta kernel takes bfloat16 only).
+    if torch.compiler.is_compiling():
+        return torch.ops.transformers.grouped_mm_fallback(x, w, offs)
+    return torch._grouped_mm(x, w, offs=offs)
+
+
+class _EagerGroupedMoE(nn.Module):
+    """Top-1 routed experts, one grouped matmul each way, with or without a custom Function
+    (identity forward, doubled gradient) on the routed tokens."""
+
+    def __init__(self, custom: bool):
+        super().__init__()
+        self.custom = custom
+        self.emb = nn.Embedding(_V, _H)
+        self.router = nn.Linear(_H, _E, bias=False)
+        self.gate_up = nn.Parameter(torch.randn(_E, 2 * _I, _H) / _H ** 0.5)  # read transposed, as transformers stores it
+        self.down = nn.Parameter(torch.randn(_E, _I, _H) / _I ** 0.5)
+        self.norm = nn.RMSNorm(_H)
+        self.head = nn.Linear(_H, _V, bias=False)
+
+    def forward(self, ids, labels):
+        x = self.emb(ids).flatten(0, 1)  # [S, H]
+        weight, expert = self.router(x).softmax(-1).max(-1)
+        order = expert.argsort(stable=True)
+        offs = torch.histc(expert.float(), bins=_E, min=0, max=_E - 1).cumsum(0).to(torch.int32)
+        xs = DoubleGrad.apply(x[order]) if self.custom else x[order]  # export drops its backward
+        gate, up = _grouped_mm(xs, self.gate_up.transpose(-2, -1), offs).chunk(2, dim=-1)
+        ys = _grouped_mm(nn.functional.silu(gate) * up, self.down, offs)  # [S, H]
+        y = torch.empty_like(ys).index_copy(0, order, ys) * weight[:, None]
+        return nn.functional.cross_entropy(self.head(self.norm(x + y)), labels.flatten())
+
+
+def test_a_custom_autograd_function_is_refused_also_where_a_plain_fake_run_of_the_forward_fails():
+    pytest.importorskip("transformers.integrations.moe")  # registers transformers::grouped_mm_fallback
+    import sptransform
+    from simulate import simulated_ranks
+
+    g = torch.Generator().manual_seed(0)
+    inputs = torch.randint(0, _V, (2, 8), generator=g), torch.randint(0, _V, (2, 8), generator=g)
+    torch.manual_seed(0)
+    _EagerGroupedMoE(custom=True)(*inputs).backward()  # the model runs eagerly (torch's kernel)
+    with simulated_ranks(2):
+        with pytest.raises(ValueError, match=r"custom torch.autograd.Function.*zoo.DoubleGrad \(backward at "):
+            sptransform.parallelize(_EagerGroupedMoE(custom=True), tp=2, sp=False, example_inputs=inputs)
+        with torch.no_grad(), pytest.raises(ValueError, match="zoo.DoubleGrad"):  # traced with autograd on anyway
+            sptransform.parallelize(_EagerGroupedMoE(custom=True), tp=2, sp=False, example_inputs=inputs)
+        pm = sptransform.parallelize(_EagerGroupedMoE(custom=False), tp=2, sp=False, example_inputs=inputs)
+        assert pm.held_share() < 0.75

@@ -184,6 +184,30 @@ def test_totals_and_table_format(tmp_path):
     assert "Causal LMs in transformers" not in body and body.count("<!-- BEGIN") == 2
 
 
+def test_update_rows_replaces_the_families_a_later_sweep_ran_and_recounts_the_totals(tmp_path):
+    results = [r for r in _synthetic_results() if r["model_type"] != "b"]  # wrong rows do not read back
+    results[0]["tp2_sp"].update(linears=[7, 9], held_share=0.66)
+    meta = {"when": "2026-01-01", "transformers": "5", "torch": "2", "seconds": 3.0, "jobs": 1, "target": "tiny"}
+    doc = tmp_path / "supported.md"
+    sweep.write_section(str(doc), "transformers-sweep", sweep.render(results, meta))
+    section = doc.read_text().split("(generated) -->\n", 1)[1].split("<!-- END", 1)[0]
+    assert sweep.render(*sweep.results_from_section(section)) == section  # what the rows say reads back whole
+    # a later sweep of c (now equal on both) and of a model type the first sweep did not know
+    later = [dict(results[1], tp4={"status": "equal", "held_share": 0.5}, stage=None, ended=None),
+             dict(results[0], model_type="f", **{"class": "FCausalLM"})]
+    later[0]["tp2_sp"] = {"status": "equal", "linears": [3, 4], "held_share": 0.57}
+    (tmp_path / "later.json").write_text(json.dumps({"results": later, "meta": dict(meta, when="2026-02-02")}))
+    sweep.main(["--update-rows", str(tmp_path / "later.json"), "--out", str(doc)])
+    text = doc.read_text()
+    assert "| c | CCausalLM | sdpa |  | trains | equal (3/4 linears split, held 0.57) | equal (held 0.50) |  |" in text
+    assert "| a | ACausalLM | sdpa |  | trains | equal (7/9 linears split, held 0.66) | equal |  |" in text
+    assert "| f | FCausalLM |" in text and "| d | DCausalLM | sdpa |  | fails |  |  | ValueError: needs pixel_values |" in text
+    assert "* **tried: 4**" in text and "* **tp=2+SP**: equal 3, refused 0, wrong 0" in text
+    assert "Rows of 2 families (c, f) are from a later run" in text and "2026-02-02" in text
+    with pytest.raises(SystemExit, match="updated before"):
+        sweep.main(["--update-rows", str(tmp_path / "later.json"), "--out", str(doc)])
+
+
 def test_pipeline_and_recompute_columns_run_on_real_ranks_and_render(monkeypatch, tmp_path):
     # the worker asks verify for the layout of each column, on real processes for pp2/recompute/budget
     # whatever --processes says (simulated ranks run neither pipelining nor AOTAutograd)
