@@ -1,4 +1,4 @@
-"""Multi-query, grouped (fewer K/V heads than tp) and low-rank (MLA) attention on 2 real gloo
+"""Multi-query, grouped (fewer K/V heads or groups than tp) and low-rank (MLA) attention on 2 real gloo
 ranks, float64: the loss, every gradient and the parameters after 2 optimizer steps equal the
 unmodified model's, and each rank holds the share of the parameter bytes the split promises.
 
@@ -50,10 +50,21 @@ def falcon_multi_query():
     return transformers.FalconForCausalLM(config)
 
 
+def falcon_new_decoder_one_group():
+    """Falcon's new decoder architecture with one K/V group (fewer than tp): the K/V heads are
+    ``broadcast_to`` the query heads, on a sequence-split input under SP (refused by the shape check
+    before ``broadcast_to`` had expand's rule)."""
+    config = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1, num_attention_heads=8,
+                                       num_kv_heads=1, new_decoder_architecture=True, parallel_attn=True, bias=False,
+                                       use_cache=False)
+    return transformers.FalconForCausalLM(config)
+
+
 CASES = [  # (builder, sp, largest share of the parameter bytes a rank may hold)
     (deepseek_v3_dense, True, 0.55),   # 0.538; 0.590 before the MLA up-projections were split
     (llama_one_kv_head, True, 0.52),   # 0.512
     (falcon_multi_query, False, 0.61),  # 0.594: the fused multi-query QKV stays whole: see the README's Limits
+    (falcon_new_decoder_one_group, True, 0.61),  # the same fused QKV, whole; the MLP and output split
 ]
 
 
