@@ -269,13 +269,15 @@ def _content(t: torch.Tensor) -> int | torch.Tensor:
         try:
             data = t.numpy().tobytes()
         except (TypeError, RuntimeError):  # no numpy dtype (bfloat16, float8), or a lazy conj/neg bit
-            data = _as_bits(t.resolve_conj().resolve_neg()).numpy().tobytes()
+            data = _as_bits(t).numpy().tobytes()
         return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & _MASK
     return _device_content(t)
 
 
 def _as_bits(t: torch.Tensor) -> torch.Tensor:
-    """The values' bits as integers of the same width (complex as pairs of reals)."""
+    """The values' bits as integers of the same width (complex as pairs of reals; a lazy
+    conjugate or negation resolved first)."""
+    t = t.resolve_conj().resolve_neg()
     if t.is_complex():
         t = torch.view_as_real(t)
     return t.contiguous().view(_BITS[t.element_size()]) if t.is_floating_point() else t
