@@ -14,7 +14,10 @@ each call runs in two phases:
    structure, and of each input's shape/dtype and values. Every rank then raises the same way:
    its own held error, or that a peer failed, or that the ranks were given different inputs
    (naming the input). The collective has the same shape whatever the inputs, so ranks passing
-   different shapes meet in it instead of aborting inside a graph collective.
+   different shapes meet in it instead of aborting inside a graph collective. The hashes of what
+   depends on the input signature alone (``signature_fingerprint``) are worked out once per
+   signature by the module; values are hashed every call, CPU tensors from their bytes (no tensor
+   op: the check's only op is the row it sends).
 
 Under LocalTensorMode (simulated ranks in one process) phase 2 reads every simulated rank's
 value directly. Under ``torch.compile`` (tracing) the checks are skipped: they read values.
