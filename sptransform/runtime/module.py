@@ -275,13 +275,12 @@ class ParallelModule(ModuleCore):
 
     @torch.compiler.disable
     def _dispatch(self, args: tuple, kwargs: dict) -> _Cached:
-        """The graph of this call's signature and mode (with what its calls need, ``_Cached``),
-        after the input checks. Runs eagerly
-        under ``torch.compile`` (one graph break before the compiled region): it hashes the
-        input signature, may capture and transform a new graph, reads input values and
-        all-gathers their fingerprint, none of which belongs in a compiled graph; the graph it
-        returns is what the compiled region is specialized on (a new signature or mode
-        returns another graph and dynamo recompiles)."""
+        """The graph of this call's signature and mode, with what its calls need (``_Cached``),
+        after the input checks. Runs eagerly under ``torch.compile`` (one graph break before the
+        compiled region): it hashes the input signature, may capture and transform a new graph,
+        reads input values and all-gathers their fingerprint, none of which belongs in a
+        compiled graph; the entry it returns is what the compiled region is specialized on (a
+        new signature or mode returns another entry and dynamo recompiles)."""
         return self._prepare(args, kwargs)
 
     def _prepare(self, args: tuple, kwargs: dict) -> _Cached:
@@ -299,6 +298,7 @@ class ParallelModule(ModuleCore):
         return cached
 
     def _signature_fingerprint(self, checked: _Cached) -> list[int]:
+        """Worked out when the graph was cached: the fingerprint's structure and shape hashes."""
         return checked.signature_fingerprint
 
     def _agreement(self) -> Agreement | None:
