@@ -149,6 +149,8 @@ def worker(args: argparse.Namespace) -> dict:
     for sp in args.sp:
         start = time.perf_counter()
         sides = sides_for(sp, args, base, edited, inputs)
+        if args.sides:
+            sides = {name: fns for name, fns in sides.items() if any(word in name for word in args.sides)}
         log(f"sp={sp}: {len(sides)} sides built in {time.perf_counter() - start:.1f}s")
         times = time_sides(sides, args.runs, args.calls)
         result["times"].update({f"sp={sp} {key}": value for key, value in times.items()})
@@ -189,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compiled-sp", nargs="+", type=lambda s: s == "True", default=[False], metavar="BOOL",
                         help="the sp values with compiled sides (DTensor's sp=True compiled step fails on torch 2.13: "
                              "pytorch/pytorch#173123, see the README's benchmarks)")
+    parser.add_argument("--sides", nargs="+", metavar="WORD", help="only the sides whose name contains one of these")
     parser.add_argument("--cprofile", type=int, default=0, metavar="N", help="print rank 0's top N functions of pm")
     args = parser.parse_args(argv)
     start = time.perf_counter()
