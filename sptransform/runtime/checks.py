@@ -14,7 +14,10 @@ each call runs in two phases:
    structure, and of each input's shape/dtype and values. Every rank then raises the same way:
    its own held error, or that a peer failed, or that the ranks were given different inputs
    (naming the input). The collective has the same shape whatever the inputs, so ranks passing
-   different shapes meet in it instead of aborting inside a graph collective.
+   different shapes meet in it instead of aborting inside a graph collective. The hashes of what
+   depends on the input signature alone (``signature_fingerprint``) are worked out once per
+   signature by the module; values are hashed every call, CPU tensors from their bytes (no tensor
+   op: the check's only op is the row it sends).
 
 Under LocalTensorMode (simulated ranks in one process) phase 2 reads every simulated rank's
 value directly. Under ``torch.compile`` (tracing) the checks are skipped: they read values.
@@ -206,12 +209,23 @@ def check_vocab(checks: Sequence[VocabCheck], leaves: list, names: Callable[[], 
                 _check_range(check, t.detach(), lambda: names()[check.leaf])
 
 
+def _value_range(t: torch.Tensor) -> tuple[int, int]:
+    """The least and greatest of an integer tensor's values: on the CPU read by numpy (no op
+    call, no filled output per call: ``aminmax`` was 4 ``aten::fill_`` per call with ids and
+    labels); elsewhere one ``aminmax`` where the tensor lives."""
+    if t.device.type == "cpu":
+        values = t.numpy()
+        return int(values.min()), int(values.max())
+    low, high = torch.aminmax(t)
+    return int(low), int(high)
+
+
 def _check_range(check: VocabCheck, t: torch.Tensor, name_of: Callable[[], str]) -> None:
     if t.numel() == 0:
         return
     if t.is_floating_point() or t.is_complex():
         raise TypeError(f"{name_of()} feeds the vocabulary as {check.kind} and must hold integers, got {t.dtype}")
-    low, high = (int(v) for v in torch.aminmax(t))
+    low, high = _value_range(t)
     if 0 <= low and high < check.vocab:
         return
     bad = (t < 0) | (t >= check.vocab)
@@ -249,63 +263,97 @@ def stable_hash(*parts: object) -> int:
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _content(t: torch.Tensor) -> torch.Tensor:
-    """A 0-dim int64 hash of a tensor's values: the sum of its bits and the sum weighted by
-    position (a permutation changes it), both wrapping in int64."""
-    t = t.detach()
+def _content(t: torch.Tensor) -> int | torch.Tensor:
+    """A hash of a tensor's values (< 2**62): on the CPU a Python int, the digest of its bytes (no
+    tensor op: each reduction was an op call and a fill of its output per input per call);
+    elsewhere a 0-dim int64 tensor left on its device (read with the gathered table, one sync)."""
+    if t.device.type == "cpu":
+        t = t.detach() if t.requires_grad else t
+        try:
+            data = t.numpy().tobytes()
+        except (TypeError, RuntimeError):  # no numpy dtype (bfloat16, float8), or a lazy conj/neg bit
+            data = _as_bits(t).numpy().tobytes()
+        return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & _MASK
+    return _device_content(t)
+
+
+def _as_bits(t: torch.Tensor) -> torch.Tensor:
+    """The values' bits as integers of the same width (complex as pairs of reals; a lazy
+    conjugate or negation resolved first)."""
+    t = t.resolve_conj().resolve_neg()
     if t.is_complex():
         t = torch.view_as_real(t)
-    if t.is_floating_point():
-        t = t.contiguous().view(_BITS[t.element_size()])
-    x = t.reshape(-1).to(torch.int64)
-    # sum(x) * 1000003 + sum(x * position) in one reduction (int64 wraps alike either way): each
-    # reduction is an op call and a fill of its output per input per call
+    return t.contiguous().view(_BITS[t.element_size()]) if t.is_floating_point() else t
+
+
+def _device_content(t: torch.Tensor) -> torch.Tensor:
+    """A 0-dim int64 hash of a tensor's values, computed where it lives: the sum of its bits
+    weighted by position (a permutation changes it), wrapping in int64."""
+    x = _as_bits(t.detach()).reshape(-1).to(torch.int64)
     weights = torch.arange(1000004, 1000004 + x.numel(), dtype=torch.int64, device=x.device)
     return (x * weights).sum() & _MASK
 
 
-def fingerprint(args: tuple, kwargs: dict, mode_key: tuple, failed: bool, device: torch.device) -> list[torch.Tensor]:
-    """This rank's fingerprint of one call, one ``FINGERPRINT``-long int64 tensor per simulated
-    rank (one on a real rank). A failed rank sends only its flag."""
-    with maybe_disable_local_tensor_mode():  # plain tensors; simulated ranks' values are read one by one
-        return _fingerprint(args, kwargs, mode_key, failed, device)
-
-
-def _fingerprint(args: tuple, kwargs: dict, mode_key: tuple, failed: bool, device: torch.device) -> list[torch.Tensor]:
-    # Built from Python ints and the inputs' content hashes in one ``cat``: no zero-filled
-    # buffer written slot by slot (each was an ``aten::fill_`` and a few indexing ops per call).
-    if failed:
-        return [torch.tensor([1] + [0] * (FINGERPRINT - 1), dtype=torch.int64, device=device)]
+def signature_fingerprint(args: tuple, kwargs: dict) -> list[int]:
+    """The part of a call's fingerprint that depends on its input signature alone (structure,
+    non-tensor values, each tensor's shape and dtype): ``FINGERPRINT - 2 - LEAF_SLOTS`` ints,
+    which a module computes once per signature and hands to ``fingerprint``."""
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
     structure = stable_hash(str(spec), [("T",) if isinstance(x, torch.Tensor) else ("V", repr(x)) for x in leaves])
-    tensors = [(i, x) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     metas = [0] * LEAF_SLOTS
     rest_meta = []
-    for i, x in tensors:
+    for i, x in enumerate(leaves):
+        if not isinstance(x, torch.Tensor):
+            continue
         meta = stable_hash(tuple(x.shape), str(x.dtype))
         if i < LEAF_SLOTS:
             metas[i] = meta
         else:
             rest_meta.append(meta)
-    rest_meta_hash = (stable_hash(rest_meta) * 1000003) & _MASK  # < 2**62: the sum below stays in int64
+    return [structure, *metas, (stable_hash(rest_meta) * 1000003) & _MASK]  # < 2**62: its sum below stays in int64
+
+
+def fingerprint(args: tuple, kwargs: dict, mode_key: tuple, failed: bool, device: torch.device,
+                signature: list[int] | None = None) -> list[torch.Tensor]:
+    """This rank's fingerprint of one call, one ``FINGERPRINT``-long int64 tensor per simulated
+    rank (one on a real rank). A failed rank sends only its flag. ``signature``: the call's
+    ``signature_fingerprint``, when the caller has it already."""
+    with maybe_disable_local_tensor_mode():  # plain tensors; simulated ranks' values are read one by one
+        return _fingerprint(args, kwargs, mode_key, failed, device, signature)
+
+
+def _fingerprint(args: tuple, kwargs: dict, mode_key: tuple, failed: bool, device: torch.device,
+                 signature: list[int] | None) -> list[torch.Tensor]:
+    # Built from Python ints in one ``torch.tensor`` (on the CPU; elsewhere with the inputs'
+    # content hashes where they live): no zero-filled buffer written slot by slot.
+    if failed:
+        return [torch.tensor([1] + [0] * (FINGERPRINT - 1), dtype=torch.int64, device=device)]
+    if signature is None:
+        signature = signature_fingerprint(args, kwargs)
+    structure, *metas, rest_meta_hash = signature
+    leaves = pytree.tree_leaves((tuple(args), dict(kwargs)))
+    tensors = [(i, x) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     # layout: flag, mode, structure, metas[0..L), contents[0..L), rest (metas and contents)
-    head = torch.tensor([0, stable_hash(mode_key), structure, *metas], dtype=torch.int64, device=device)
-    zero = torch.tensor(0, dtype=torch.int64, device=device)  # an empty slot
+    head = [0, stable_hash(mode_key), structure, *metas]
     ranks = max((len(_per_rank(x)) for _, x in tensors), default=1)
     rows = []
     for r in range(ranks):
-        contents: list[torch.Tensor | None] = [None] * LEAF_SLOTS
-        rest = None
+        contents: list[int | torch.Tensor] = [0] * LEAF_SLOTS
+        rest: int | torch.Tensor = 0
         for i, x in tensors:
             values = _per_rank(x)
-            value = _content(values[r if len(values) > 1 else 0]).to(device)
+            value = _content(values[r if len(values) > 1 else 0])
             if i < LEAF_SLOTS:
                 contents[i] = value
             else:
-                rest = value if rest is None else (rest * 31 + value) & _MASK
-        rest = ((rest if rest is not None else zero) + rest_meta_hash) & _MASK
-        slots = [c if c is not None else zero for c in contents]
-        rows.append(torch.cat([head, torch.stack([*slots, rest])]))
+                rest = (rest * 31 + value) & _MASK
+        rest = (rest + rest_meta_hash) & _MASK
+        tail = [*contents, rest]
+        if any(isinstance(v, torch.Tensor) for v in tail):  # hashes computed on a device
+            tail = [v.to(device) if isinstance(v, torch.Tensor) else torch.tensor(v, device=device) for v in tail]
+            rows.append(torch.cat([torch.tensor(head, dtype=torch.int64, device=device), torch.stack(tail)]))
+        else:
+            rows.append(torch.tensor(head + tail, dtype=torch.int64, device=device))
     return rows
 
 

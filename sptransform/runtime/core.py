@@ -199,7 +199,8 @@ class ModuleCore(nn.Module):
                 error = error or err
         agreement = self._agreement()
         if agreement is not None:
-            rows = fingerprint(args, kwargs, self._mode_key(), error is not None, self._device)
+            signature = self._signature_fingerprint(result) if error is None else None
+            rows = fingerprint(args, kwargs, self._mode_key(), error is not None, self._device, signature)
             table = gather_fingerprints(rows, agreement.groups, agreement.simulated)
             raise_if_disagree(table, error, lambda: leaf_names(args, kwargs), agreement.label, agreement.this)
         if error is not None:
@@ -209,6 +210,11 @@ class ModuleCore(nn.Module):
     def _agreement(self) -> Agreement | None:
         """How this module's ranks compare inputs, or None when a call skips phase 2."""
         raise NotImplementedError
+
+    def _signature_fingerprint(self, checked) -> list[int] | None:
+        """The ``signature_fingerprint`` of this call's inputs, if ``checked`` (what ``local()``
+        returned) holds it already; None: ``fingerprint`` works it out."""
+        return None
 
     # -- state and inspection ---------------------------------------------------------
 

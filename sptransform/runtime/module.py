@@ -28,6 +28,7 @@ with the pipelined module):
 from __future__ import annotations
 
 import contextlib
+import functools
 
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -46,7 +47,7 @@ from sptransform.graph.plan import ParallelGraph, ParallelPlan
 from sptransform.graph.placement import DimShard
 from sptransform.options import ParallelOptions
 from sptransform.runtime.checks import (
-    VocabCheck, check_call, check_vocab, describe_inputs, differences, leaf_names, vocab_checks,
+    VocabCheck, check_call, check_vocab, describe_inputs, differences, leaf_names, signature_fingerprint, vocab_checks,
 )
 from sptransform.runtime.core import Agreement, ModuleCore, mirror_modules  # noqa: F401  (mirror_modules: re-exported)
 from sptransform.runtime.explain import explain
@@ -79,10 +80,17 @@ class GraphFactory(Protocol):
 
 @dataclass
 class _Cached:
-    """One input signature's graph and the inputs it reads as token ids or labels."""
+    """One input signature's graph and what every call of it needs that depends on the signature
+    alone, worked out once: the inputs it reads as token ids or labels, the signature's part of
+    the input fingerprint (``runtime.checks.signature_fingerprint``), and where each of the
+    graph's state inputs is read from (a lifted constant, or a container and attribute of this
+    module; resolved on the first call, as the first graph is built before the parameters are
+    registered)."""
 
     graph: ParallelGraph
     vocab_checks: list[VocabCheck]
+    signature_fingerprint: list[int]
+    state_sources: list[torch.Tensor | tuple[nn.Module, str]] | None = None
 
 
 def microbatches(args: tuple, kwargs: dict, n: int) -> list[tuple[tuple, dict]]:
@@ -126,7 +134,7 @@ class ParallelModule(ModuleCore):
         self._state_names = [name for name, _ in model.named_parameters(remove_duplicate=False)] + [
             name for name, buf in model.named_buffers(remove_duplicate=False)]
         self._dtypes = tuple(get_by_path(model, name).dtype for name in self._state_names)
-        self._state_owners: list[tuple[nn.Module, str]] | None = None  # see _state_values
+        self._state_owners: list[tuple[nn.Module, str]] | None = None  # see _check_state
         self._graphs: OrderedDict[tuple, _Cached] = OrderedDict()
         self._entry_graphs: OrderedDict[tuple, ParallelGraph] = OrderedDict()  # see _run_entry
         self._cache_layouts: dict[tuple, list[torch.Tensor]] = {}  # see _cache_layout
@@ -136,7 +144,7 @@ class ParallelModule(ModuleCore):
         first = self._factory.build(example_args, example_kwargs, modes=self._modes(), dtypes=self._dtype_map(self._dtypes))
         self._placements = first.plan.placements if first.plan else {}
         self._data_parallel = first.data_parallel
-        self._graphs[self._cache_key(example_args, example_kwargs)] = self._cached(first)
+        self._graphs[self._cache_key(example_args, example_kwargs)] = self._cached(first, example_args, example_kwargs)
         self._last = first
         self._register_state(model)
         self._rank = self._rank_tensor()
@@ -156,9 +164,9 @@ class ParallelModule(ModuleCore):
     def _dtype_map(self, dtypes: tuple) -> dict[str, torch.dtype]:
         return dict(zip(self._state_names, dtypes))
 
-    def _state_values(self) -> dict[str, torch.Tensor]:
-        """The parameters and buffers as they are now, after checking they are where the
-        graphs run; a dtype change (``pm.to(torch.float64)``) drops the cached graphs."""
+    def _check_state(self) -> None:
+        """Check that the parameters and buffers, as they are now, are where the graphs run; a
+        dtype change (``pm.to(torch.float64)``) drops the cached graphs."""
         if self._state_owners is None:
             # (container, attribute) of each name, resolved once: the mirrored containers are
             # made at construction and never replaced, while the tensors in them may be (a
@@ -166,33 +174,41 @@ class ParallelModule(ModuleCore):
             # dotted paths each call was most of this check's time (53 lookups per call on GPT-2).
             self._state_owners = [(self.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2])
                                   for name in self._state_names]
-        values = {name: getattr(owner, leaf) for name, (owner, leaf) in zip(self._state_names, self._state_owners)}
-        dtypes = tuple(v.dtype for v in values.values())
-        for name, value in values.items():
+        dtypes = []
+        for name, (owner, leaf) in zip(self._state_names, self._state_owners):
+            value = getattr(owner, leaf)
             if value.device != self._device:
                 raise ValueError(
                     f"{name!r} is on {value.device}, but this parallel module was built for {self._device} (its "
                     "device mesh and process group are tied to that device): moving a parallelized module to another "
                     "device is not supported; move the original model first (model.to(device)) and parallelize it there"
                 )
-        if dtypes != self._dtypes:
+            dtypes.append(value.dtype)
+        if tuple(dtypes) != self._dtypes:
             self._graphs.clear()  # captured with the old dtypes (the template follows on the next build)
-            self._dtypes = dtypes
-        return values
+            self._dtypes = tuple(dtypes)
 
-    def _cached(self, graph: ParallelGraph) -> _Cached:
+    def _cached(self, graph: ParallelGraph, args: tuple, kwargs: dict) -> _Cached:
         captured = graph.captured
         vocab = graph.plan.vocab if graph.plan is not None else None
-        return _Cached(graph, vocab_checks(captured.gm, len(captured.state_names), captured.num_user_inputs, vocab))
+        return _Cached(graph, vocab_checks(captured.gm, len(captured.state_names), captured.num_user_inputs, vocab),
+                       signature_fingerprint(args, kwargs))
 
-    def _graph_for(self, args: tuple, kwargs: dict) -> tuple[_Cached, dict[str, torch.Tensor]]:
-        values = self._state_values()
+    def _state_sources(self, captured: CapturedGraph) -> list[torch.Tensor | tuple[nn.Module, str]]:
+        """Where each state input of ``captured`` is read from: a lifted constant, or the
+        (container, attribute) of a parameter or buffer of this module."""
+        return [captured.constants[name] if name in captured.constants
+                else (self.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2])
+                for name in captured.state_names]
+
+    def _graph_for(self, args: tuple, kwargs: dict) -> _Cached:
+        self._check_state()
         key = self._cache_key(args, kwargs)
         cached = self._graphs.get(key)
         if cached is not None:
             if not torch.compiler.is_compiling():  # LRU bookkeeping stays out of traced code
                 self._graphs.move_to_end(key)
-            return cached, values
+            return cached
         try:
             graph = self._factory.build(args, kwargs, modes=self._modes(), dtypes=self._dtype_map(self._dtypes))
         except InputsRejected as err:  # name what differs from the inputs it was built with
@@ -202,10 +218,10 @@ class ParallelModule(ModuleCore):
             raise InputsRejected(f"{err}; compared with the example inputs: {'; '.join(changed)}") from err
         self._check_placements(graph)
         self._check_split_inputs(graph, args, kwargs)
-        cached = self._graphs[key] = self._cached(graph)
+        cached = self._graphs[key] = self._cached(graph, args, kwargs)
         while len(self._graphs) > self._options.graph_cache_size:
             self._graphs.popitem(last=False)  # least recently used
-        return cached, values
+        return cached
 
     def _check_placements(self, graph: ParallelGraph) -> None:
         """A new signature may not need another split of a parameter it reads (parameters it
@@ -260,33 +276,37 @@ class ParallelModule(ModuleCore):
         # runs a collective (eager, every call); the graph itself is traced; the DTensor outputs
         # are built outside the compiled region (see ``_finish``).
         kwargs = {**self._call_defaults, **kwargs}
-        graph = self._dispatch(args, kwargs)
-        outputs = self._compute(graph, args, kwargs)
-        return self._finish(graph, outputs)
+        cached = self._dispatch(args, kwargs)
+        outputs = self._compute(cached, args, kwargs)
+        return self._finish(cached, outputs)
 
     @torch.compiler.disable
-    def _dispatch(self, args: tuple, kwargs: dict) -> ParallelGraph:
-        """The graph of this call's signature and mode, after the input checks. Runs eagerly
-        under ``torch.compile`` (one graph break before the compiled region): it hashes the
-        input signature, may capture and transform a new graph, reads input values and
-        all-gathers their fingerprint, none of which belongs in a compiled graph; the graph it
-        returns is what the compiled region is specialized on (a new signature or mode
-        returns another graph and dynamo recompiles)."""
-        cached, _ = self._prepare(args, kwargs)
-        return cached.graph
+    def _dispatch(self, args: tuple, kwargs: dict) -> _Cached:
+        """The graph of this call's signature and mode, with what its calls need (``_Cached``),
+        after the input checks. Runs eagerly under ``torch.compile`` (one graph break before the
+        compiled region): it hashes the input signature, may capture and transform a new graph,
+        reads input values and all-gathers their fingerprint, none of which belongs in a
+        compiled graph; the entry it returns is what the compiled region is specialized on (a
+        new signature or mode returns another entry and dynamo recompiles)."""
+        return self._prepare(args, kwargs)
 
-    def _prepare(self, args: tuple, kwargs: dict) -> tuple[_Cached, dict[str, torch.Tensor]]:
-        """The graph of this call and the state it reads, after the checks of both phases
-        (``ModuleCore._checked``)."""
+    def _prepare(self, args: tuple, kwargs: dict) -> _Cached:
+        """The graph of this call, after the checks of both phases (``ModuleCore._checked``)."""
         return self._checked(args, kwargs, lambda: self._local_checks(args, kwargs))
 
-    def _local_checks(self, args: tuple, kwargs: dict) -> tuple[_Cached, dict[str, torch.Tensor]]:
+    def _local_checks(self, args: tuple, kwargs: dict) -> _Cached:
         self._check_loaded()
-        cached, values = self._graph_for(args, kwargs)
+        cached = self._graph_for(args, kwargs)
+        if cached.state_sources is None:
+            cached.state_sources = self._state_sources(cached.graph.captured)
         if cached.vocab_checks:
             check_vocab(cached.vocab_checks, pytree.tree_leaves((tuple(args), dict(kwargs))),
                         lambda: leaf_names(args, kwargs))
-        return cached, values
+        return cached
+
+    def _signature_fingerprint(self, checked: _Cached) -> list[int]:
+        """Worked out when the graph was cached: the fingerprint's structure and shape hashes."""
+        return checked.signature_fingerprint
 
     def _agreement(self) -> Agreement | None:
         """Phase 2 runs with ``check_inputs``, more than one rank, and ranks that exist (real
@@ -294,40 +314,47 @@ class ParallelModule(ModuleCore):
         if not self._options.check_inputs or self._tp_mesh is None or self._options.tp == 1:
             return None
         simulated = local_tensor_mode() is not None
-        if not simulated and dist.get_backend(self._tp_mesh.get_group()) == "fake":
+        if not simulated and self._fake_group:
             return None
         if simulated:
             return Agreement([self._tp_mesh.get_group()], True, 0, lambda r: f"simulated rank {r}")
         return Agreement([self._tp_mesh.get_group()], False, self._tp_mesh.get_local_rank(), lambda r: f"rank {r}")
 
-    def _graph_inputs(self, graph: ParallelGraph, args: tuple, kwargs: dict) -> list:
+    @functools.cached_property
+    def _fake_group(self) -> bool:
+        """Whether the tensor-parallel group is a fake one (no peers; its backend never changes)."""
+        return dist.get_backend(self._tp_mesh.get_group()) == "fake"
+
+    def _graph_inputs(self, cached: _Cached, args: tuple, kwargs: dict) -> list:
         """The graph's inputs: local shards of the state, the flat user inputs, the rank."""
-        captured = graph.captured
-        state = [self._local_state(name, captured) for name in captured.state_names]
+        state = []
+        for source in cached.state_sources:
+            value = source if isinstance(source, torch.Tensor) else getattr(*source)
+            state.append(value.to_local() if isinstance(value, DTensor) else value)
         flat_inputs = pytree.tree_leaves((tuple(args), dict(kwargs)))
-        extra = [self._rank] if graph.plan is not None else []
+        extra = [self._rank] if cached.graph.plan is not None else []
         return [*state, *flat_inputs, *extra]
 
-    def _compute(self, graph: ParallelGraph, args: tuple, kwargs: dict) -> list:
+    def _compute(self, cached: _Cached, args: tuple, kwargs: dict) -> list:
         """Run ``graph`` on this call's inputs; the flat outputs, local tensors (traced by
         ``torch.compile``; with an AOTAutograd runner, that runner is called eagerly). With
         ZeRO-3 the parameters gathered for the forward are not kept for backward but gathered
         again (``runtime.zero.regather_saved``)."""
         with regather_saved() if self._options.zero == 3 else contextlib.nullcontext():
             if self._runner_compiles:
-                return self._compute_with_runner(graph, args, kwargs)
+                return self._compute_with_runner(cached, args, kwargs)
             named = self._replicas is not None and not torch.compiler.is_compiling()
             with naming_failures(lambda: f"a collective in the forward of call {self._replicas.calls}",
                                  lambda: self._param_mesh.mesh.flatten().tolist()) if named else contextlib.nullcontext():
-                outputs = graph.captured.gm(*self._graph_inputs(graph, args, kwargs))
+                outputs = cached.graph.captured.gm(*self._graph_inputs(cached, args, kwargs))
         return list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
 
     @torch.compiler.disable
-    def _compute_with_runner(self, graph: ParallelGraph, args: tuple, kwargs: dict) -> list:
+    def _compute_with_runner(self, cached: _Cached, args: tuple, kwargs: dict) -> list:
         """The partitioned runner (``recompute``/``compile``): already AOTAutograd-compiled by
         sptransform, so ``torch.compile(pm)`` calls it as is instead of tracing it again."""
-        inputs = self._graph_inputs(graph, args, kwargs)
-        outputs = self._remat_runner(graph, inputs)(*[x for x in inputs if isinstance(x, torch.Tensor)])
+        inputs = self._graph_inputs(cached, args, kwargs)
+        outputs = self._remat_runner(cached.graph, inputs)(*[x for x in inputs if isinstance(x, torch.Tensor)])
         return list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
 
     @property
@@ -336,14 +363,14 @@ class ParallelModule(ModuleCore):
         return self._options.recompute != "none"
 
     @torch.compiler.disable
-    def _finish(self, graph: ParallelGraph, outputs: list):
+    def _finish(self, cached: _Cached, outputs: list):
         """The user's output structure, vocabulary-split outputs as DTensors. Eager under
         ``torch.compile``: a DTensor output of a compiled region that requires grad gets a
         *plain* zero tangent from autograd when the loss does not use it (logits beside the
         loss), which AOTAutograd, having guessed a DTensor tangent, refuses
         (pytorch/pytorch#173123). Built here, outside the region, the compiled graph returns
         the local logits, and ``DTensor.from_local``'s own backward takes either kind."""
-        self._last = graph
+        graph = self._last = cached.graph
         outputs = list(outputs)
         if self._replicas is not None:  # which call's backward ran last: the replica check reports it
             needing = [x for x in outputs if isinstance(x, torch.Tensor) and x.requires_grad]
@@ -366,12 +393,6 @@ class ParallelModule(ModuleCore):
                 )
             graph.compiled = self._factory.compile(graph.gm, inputs, range(len(graph.captured.state_names)))
         return graph.compiled
-
-    def _local_state(self, name: str, captured: CapturedGraph) -> torch.Tensor:
-        if name in captured.constants:
-            return captured.constants[name]
-        value = get_by_path(self, name)
-        return value.to_local() if isinstance(value, DTensor) else value
 
     def _as_dtensor(self, local: torch.Tensor, spec: DimShard, size: int) -> DTensor:
         shape = list(local.shape)

@@ -249,15 +249,16 @@ def test_a_float_input_that_requires_grad_and_is_cut_to_the_sequence_split_is_re
             pm(_ids(), _ids(), bias.clone().requires_grad_())
 
 
-def test_the_per_call_fingerprint_fills_no_buffer_and_tells_inputs_apart():
-    """The fingerprint every call all-gathers (``check_inputs``) is built from Python ints and the
-    inputs' content hashes in one ``cat``: no zero-filled buffer and one reduction per input (it
-    was 6 ``aten::fill_`` per call with two inputs, in every profiled step, compiled or not), and
-    still one slot per input that differs when the input's values, shape or dtype do, and a last
-    slot for the inputs after the first six."""
+def test_the_per_call_fingerprint_reduces_nothing_and_tells_inputs_apart():
+    """The fingerprint every call all-gathers (``check_inputs``) is built from Python ints in one
+    ``torch.tensor``: CPU inputs are hashed from their bytes, so no reduction, no filled buffer
+    (it was 6 ``aten::fill_`` per call with two inputs, then one ``sum`` and its fill per input,
+    in every profiled step, compiled or not), and the part that depends on the signature alone is
+    taken as given when the caller has it; still one slot per input that differs when the
+    input's values, shape or dtype do, and a last slot for the inputs after the first six."""
     from torch.profiler import profile
 
-    from sptransform.runtime.checks import FINGERPRINT, LEAF_SLOTS, fingerprint
+    from sptransform.runtime.checks import FINGERPRINT, LEAF_SLOTS, fingerprint, signature_fingerprint
 
     ids, labels = _ids(), _ids()
     many = {f"x{i}": torch.arange(4) + i for i in range(LEAF_SLOTS + 2)}  # two inputs past the slots
@@ -265,15 +266,20 @@ def test_the_per_call_fingerprint_fills_no_buffer_and_tells_inputs_apart():
     def row(**kwargs):
         (out,) = fingerprint((), kwargs, (True,), False, torch.device("cpu"))
         assert out.dtype == torch.int64 and out.shape == (FINGERPRINT,)
+        assert out.tolist() == fingerprint((), kwargs, (True,), False, torch.device("cpu"),
+                                           signature_fingerprint((), kwargs))[0].tolist()
         return out.tolist()
 
+    inputs = dict(input_ids=ids, labels=labels, use_cache=False)
+    signature = signature_fingerprint((), inputs)
     with profile() as prof:
-        row(input_ids=ids, labels=labels, use_cache=False)
-    events = prof.events()
-    # the only fills: the output of the one reduction per input tensor (its hash)
-    assert [e.name for e in events if e.name == "aten::zeros"] == []
-    fills = [e.cpu_parent.name if e.cpu_parent else None for e in events if e.name == "aten::fill_"]
-    assert fills == ["aten::sum", "aten::sum"], fills
+        fingerprint((), inputs, (True,), False, torch.device("cpu"), signature)
+    names = [e.name for e in prof.events()]
+    # no compute: the row is made once (lift_fresh), the rest are numpy()'s views of the inputs
+    computing = {n for n in names if n.startswith("aten::")} - {
+        "aten::detach", "aten::to", "aten::resolve_conj", "aten::resolve_neg", "aten::empty", "aten::lift_fresh",
+        "aten::detach_"}
+    assert computing == set() and names.count("aten::lift_fresh") == 1, names
 
     base = row(input_ids=ids, labels=labels, use_cache=False)
     assert row(input_ids=ids.clone(), labels=labels.clone(), use_cache=False) == base
@@ -291,3 +297,27 @@ def test_the_per_call_fingerprint_fills_no_buffer_and_tells_inputs_apart():
     assert row(**{**many, f"x{LEAF_SLOTS}": many[f"x{LEAF_SLOTS}"][:3]})[-1] != last[-1]
     failed = fingerprint((), {"input_ids": ids}, (True,), True, torch.device("cpu"))[0].tolist()
     assert failed == [1] + [0] * (FINGERPRINT - 1)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.arange(6).reshape(2, 3),
+    lambda: torch.randn(6, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16),  # no numpy dtype
+    lambda: torch.randn(3, dtype=torch.complex64, generator=torch.Generator().manual_seed(0)).conj(),  # lazy conj
+    lambda: torch.randn(4, generator=torch.Generator().manual_seed(0)).requires_grad_(),
+], ids=["int64", "bfloat16", "conj", "requires_grad"])
+def test_content_hashes_tell_values_apart_on_every_path(make):
+    """A CPU input is hashed from its bytes (through its integer bits where numpy has no dtype,
+    resolved first where it is a lazy conjugate); an input on another device by a reduction where
+    it lives (run here on the CPU). Either way: equal values, equal hash (a materialized copy
+    too); one changed value or a permutation, another hash."""
+    from sptransform.runtime.checks import _content, _device_content
+
+    x = make()
+    same = x.detach().resolve_conj().clone()
+    changed = same.clone()
+    changed[0] = changed[1] + 1
+    for content in (_content, _device_content):
+        digest = int(content(x))
+        assert int(content(same)) == digest
+        assert int(content(changed)) != digest
+        assert int(content(same.flip(0))) != digest
