@@ -136,7 +136,7 @@ class ParallelModule(ModuleCore):
         self._dtypes = tuple(get_by_path(model, name).dtype for name in self._state_names)
         self._state_owners: list[tuple[nn.Module, str]] | None = None  # see _check_state
         self._graphs: OrderedDict[tuple, _Cached] = OrderedDict()
-        self._entry_graphs: OrderedDict[tuple, ParallelGraph] = OrderedDict()  # see _run_entry
+        self._entry_graphs: OrderedDict[tuple, _Cached] = OrderedDict()  # see _run_entry
         self._cache_layouts: dict[tuple, list[torch.Tensor]] = {}  # see _cache_layout
         example_kwargs = {**self._call_defaults, **example_kwargs}
         check_call(example_args, example_kwargs, self._call_defaults, example=True)
@@ -411,23 +411,24 @@ class ParallelModule(ModuleCore):
         (``entry.split_outputs``, vocabulary-split logits) as DTensors but those at the positions
         ``local``, which stay this rank's part (no DTensor to build per call). No input checks: only
         ``generate`` calls this, with inputs it built (every rank the same tokens)."""
-        self._state_values()  # where and in which dtypes the state is
+        self._check_state()  # where and in which dtypes the state is
         key = (entry.name, self._mode_key(), self._dtypes, input_signature(tuple(whole), {}))
-        graph = self._entry_graphs.get(key)
-        if graph is None:
+        cached = self._entry_graphs.get(key)
+        if cached is None:
             graph = self._factory.build(tuple(whole), {}, modes=self._modes(), dtypes=self._dtype_map(self._dtypes),
                                         entry=entry)
             self._check_placements(graph)
-            self._entry_graphs[key] = graph
+            cached = self._entry_graphs[key] = _Cached(graph, [], [], self._state_sources(graph.captured))
             while len(self._entry_graphs) > ENTRY_GRAPHS:
                 self._entry_graphs.popitem(last=False)
+        graph = cached.graph
         args = list(args)
         for index, spec in (graph.plan.input_specs if graph.plan is not None else {}).items():
             if tuple(args[index].shape) == tuple(whole[index].shape):  # given whole: this rank's part
                 tp = self._options.tp
                 table = torch.tensor([spec.indices(r, tp) for r in range(tp)], device=args[index].device)
                 args[index] = take_local(args[index], spec.dim, table, self._rank)
-        outputs = graph.gm(*self._graph_inputs(graph, tuple(args), {}))
+        outputs = graph.gm(*self._graph_inputs(cached, tuple(args), {}))
         outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
         if graph.plan is not None:
             for index, (spec, size) in graph.plan.output_specs.items():

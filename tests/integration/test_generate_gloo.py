@@ -75,7 +75,7 @@ def _generate_like_single_device(kind: str, world: int) -> None:
     # them), each rank given and returning only its K/V heads; without it, the padded forward, whose
     # signature is the example's.
     assert pm.cached_graphs == 1
-    steps = {key[0]: graph for key, graph in pm._entry_graphs.items()}
+    steps = {key[0]: cached.graph for key, cached in pm._entry_graphs.items()}
     assert sorted(steps) == ["kv-decode", "kv-prefill"]
     heads = 8 if kind == "gpt2" else 4 if kind == "llama" else 2
     decode = steps["kv-decode"].plan

@@ -151,7 +151,7 @@ def test_kv_cache_is_split_by_heads_and_greedy_tokens_equal_hf(kv_heads, caplog)
     with simulated_ranks(2), caplog.at_level("INFO", logger="sptransform.generate"):
         pm = sptransform.parallelize(model, tp=2, example_inputs=(ids,))
         tokens = pm.generate(ids, max_new_tokens=4, pad_token_id=0)
-        steps = {key[0]: graph for key, graph in pm._entry_graphs.items()}
+        steps = {key[0]: cached.graph for key, cached in pm._entry_graphs.items()}
     for value in per_rank(tokens):
         assert torch.equal(value, expected), f"{value.tolist()} != {expected.tolist()}"
     assert sorted(steps) == ["kv-decode", "kv-prefill"] and pm.cached_graphs == 1  # no padded forward ran
