@@ -228,11 +228,15 @@ def _traced_forward(module: nn.Module, forward: Callable[..., Any] | None):
     if forward is None:
         yield
         return
+    own = module.__dict__.get("forward")  # a forward set on the instance (a hook library's): put back after
     module.forward = types.MethodType(forward, module)
     try:
         yield
     finally:
-        del module.forward
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
 
 
 def capture(template: FakeTemplate, args: tuple, kwargs: dict, entry: Entry | None = None) -> CapturedGraph:
