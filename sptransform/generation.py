@@ -17,7 +17,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, **kwargs) -> torch.Tenso
     ``model``: a ``ParallelModule`` (same as ``model.generate(...)``) or a single-device causal LM
     whose forward returns logits [batch, length, vocab] (a tensor, ``.logits``, or a tuple that
     starts with them). Keywords: ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``,
-    ``top_p``, ``eos_token_id``, ``pad_token_id``, ``attention_mask``, ``generation_config``."""
+    ``top_p``, ``eos_token_id``, ``pad_token_id``, ``attention_mask``, ``use_cache`` (a parallel
+    module's KV cache, split by heads), ``generation_config``."""
     if isinstance(model, ParallelModule):
         return model.generate(input_ids, **kwargs)
     if isinstance(model, PipelinedModule):
