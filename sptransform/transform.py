@@ -169,11 +169,15 @@ def _analyse(gm: fx.GraphModule, build: Build) -> PassResult:
 
 
 def _kept_outputs(build: Build) -> set[fx.Node]:
-    """The output nodes the entry returns split (``Entry.split_outputs``)."""
+    """The output nodes the entry returns split (``Entry.split_outputs``): a node returned at
+    several positions only if every one of them is (one placement per node reaches the output).
+    Both the region walk (they may read a block's split tensors) and the propagation (they are
+    not gathered) read this one set."""
     if build.entry is None:
         return set()
-    flat = build.captured.gm.graph.find_nodes(op="output")[0].args[0]
-    return {value for i, value in enumerate(flat) if isinstance(value, fx.Node) and i in build.entry.split_outputs}
+    flat = list(build.captured.gm.graph.find_nodes(op="output")[0].args[0])
+    return {value for value in flat if isinstance(value, fx.Node)
+            and all(i in build.entry.split_outputs for i, other in enumerate(flat) if other is value)}
 
 
 def _split_bias(gm: fx.GraphModule, build: Build) -> PassResult:
@@ -212,11 +216,12 @@ def _propagate(gm: fx.GraphModule, build: Build) -> PassResult:
         if placement is not None and placement.spec is not None:
             (cut_seeds if placement.stored_whole else seeds)[node] = placement.spec
     build.constant = constant_nodes(gm, set(build.captured.state_placeholders))
+    kept = _kept_outputs(build)
 
     def run(seeds: dict) -> Propagation:
         sequence = SequenceSplit(build.analysis.seq_len) if build.options.sp else None
         return propagate(gm, seeds, tp=build.options.tp, constant=build.constant, sequence=sequence,
-                         cut_seeds=cut_seeds, keep_outputs=build.entry.split_outputs if build.entry else ())
+                         cut_seeds=cut_seeds, keep_outputs=kept)
 
     build.propagation = run(seeds)
     split_inputs = _split_input_seeds(build)

@@ -126,14 +126,14 @@ def propagate(
     constant: set[fx.Node],
     sequence: SequenceSplit | None,
     cut_seeds: dict[fx.Node, object] | None = None,
-    keep_outputs: Container[int] = (),
+    keep_outputs: Container[fx.Node] = (),
 ) -> Propagation:
     """Placements of every node of ``gm`` from ``seeds`` (placeholders not seeded are replicated).
 
     ``constant``: nodes computed from parameters and buffers only. ``sequence``: sequence
     parallelism (None without it). ``cut_seeds``: placeholders stored whole but read split
-    (each reader reads a cut). ``keep_outputs``: flat output positions returned in their own
-    even split, not gathered. Raises ``ShardingError`` naming every op that cannot run."""
+    (each reader reads a cut). ``keep_outputs``: output nodes returned in their own even
+    split, not gathered. Raises ``ShardingError`` naming every op that cannot run."""
     result = Propagation(tp)
     result.cut_seeds = dict(cut_seeds or {})
     ctx = RuleContext(tp=tp, is_constant=lambda n: n in constant)
@@ -145,10 +145,7 @@ def propagate(
             result.source[node] = "seed" if node in seeds else "replicated"
             continue
         if node.op == "output":
-            flat = list(node.args[0]) if isinstance(node.args[0], (tuple, list)) else [node.args[0]]
-            kept = {a for a in tensor_inputs(node)
-                    if all(i in keep_outputs for i, value in enumerate(flat) if value is a)}
-            result.reads[node] = {a: _output_placement(a, result.placement.get(a), a in kept)
+            result.reads[node] = {a: _output_placement(a, result.placement.get(a), a in keep_outputs)
                                   for a in tensor_inputs(node)}
             continue
         try:

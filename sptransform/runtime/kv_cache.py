@@ -108,7 +108,8 @@ KEYS_AND_VALUES = range(1, 1 << 30)
 
 
 def entries(layers: int, sp: bool) -> tuple[Entry, Entry]:
-    """(prefill, decode) for a model of ``layers`` cached layers (the prefill finds out how many)."""
+    """(prefill, decode) for a model of ``layers`` cached layers (``cache_layout``); the decode is given
+    each rank's part of the cache, the prefill the empty cache whole (nothing to cut)."""
     outputs = KEYS_AND_VALUES
     prefill = Entry("kv-prefill", _step_forward, split_outputs=outputs, sp=sp)
     decode = Entry("kv-decode", _step_forward, split_inputs=tuple(range(3, 3 + 2 * layers)), split_outputs=outputs,
@@ -153,7 +154,8 @@ class CachedSteps:
         """``empty``: ``cache_layout``'s empty cache; ``mask``: the prompt's attention mask;
         ``slots``: positions the cache holds (``cache_slots``)."""
         self.run, self.empty, self.mask, self.slots, self.check_rtol = run, empty, mask, slots, check_rtol
-        self.sp = sp_multiple > 1 and mask.shape[1] % sp_multiple == 0
+        self.layers = len(empty) // 2
+        self._prefill, self._decode_entry = entries(self.layers, sp_multiple > 1 and mask.shape[1] % sp_multiple == 0)
         self.cache: list[torch.Tensor] = []  # this rank's keys and values, layer by layer
         self.whole: list[torch.Tensor] = []  # the same at whole shapes (meta)
         self.written = 0  # slots holding keys and values
@@ -172,11 +174,9 @@ class CachedSteps:
         """Logits [batch, vocab] of the prompt's last token; fills the first ``prompt`` slots."""
         mask = self.mask
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
-        layers = len(self.empty) // 2
-        prefill, _ = entries(layers, self.sp)
         split = self._split_empty(ids.device)
         try:
-            out = self.run(prefill, [ids, positions, mask, *split],
+            out = self.run(self._prefill, [ids, positions, mask, *split],
                            [_meta(ids), _meta(positions), _meta(mask), *self.empty], KEYS_AND_VALUES)
         except ValueError as err:  # not capturable, or needs other splits than the module holds
             raise CacheUnsupported(f"its prefill graph could not be built: {err}") from err
@@ -190,10 +190,8 @@ class CachedSteps:
             whole[2] = self.slots
             self.whole.append(torch.empty(whole, dtype=local.dtype, device="meta"))
         self.written = ids.shape[1]
-        self.layers = layers
-        whole = sum(t.numel() * t.element_size() for t in self.whole)
-        log.info("generate: a KV cache of %d layers, %d positions; this rank holds %.3f of its %d bytes", layers,
-                 self.slots, self.held_cache_share(), whole)
+        log.info("generate: a KV cache of %d layers, %d positions; this rank holds %.3f of its %d bytes", self.layers,
+                 self.slots, self.held_cache_share(), sum(t.numel() * t.element_size() for t in self.whole))
         self._prefill_logits = _last(out[0])
         self._last_prompt = ids[:, -1:]
         return self._prefill_logits
@@ -223,9 +221,8 @@ class CachedSteps:
         seen = torch.cat([user, user.new_ones((batch, max(0, slot - user.shape[1])))], dim=1)[:, :slot]
         mask = torch.cat([seen, user.new_zeros((batch, self.slots - slot)), user.new_ones((batch, 1))], dim=1)
         positions = seen.long().sum(-1, keepdim=True)
-        _, decode = entries(self.layers, False)
         whole_ids = [_meta(ids), _meta(positions), _meta(mask)]
-        out = self.run(decode, [ids, positions, mask, *self.cache], [*whole_ids, *self.whole], KEYS_AND_VALUES)
+        out = self.run(self._decode_entry, [ids, positions, mask, *self.cache], [*whole_ids, *self.whole], KEYS_AND_VALUES)
         if write:
             for cache, new in zip(self.cache, out[1:]):
                 cache[:, :, slot] = new[:, :, 0]
