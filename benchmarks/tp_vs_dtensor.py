@@ -25,7 +25,10 @@ counts read from its graph (``sptransform.runtime.explain.collective_counts``) a
 
 ``--compiled`` adds compiled sides with and without sequence parallelism: ``torch.compile(pm)``
 and ``torch.compile`` of the DTensor-planned model under ``loss_parallel`` (default inductor
-backend, both); ``--compiled-recompute`` sptransform's ``recompute="selective"`` with
+backend, both), and the DTensor-planned model with each transformer block compiled on its own
+(torchtitan's ``apply_compile``; embedding, head and loss eager), the form whose sp=True side runs
+on torch 2.13 where the whole-model compile fails its first backward (pytorch/pytorch#173123);
+``--compiled-recompute`` sptransform's ``recompute="selective"`` with
 ``compile="inductor"`` and ``"eager"``. Their first step (the compile) is a column of its own;
 the dispatch counter does not count their collectives, the profiled step does. Each rank compiles
 into its own inductor cache folder (``rank_cache_dir``): the ranks' graphs differ, and a cache the
@@ -33,7 +36,8 @@ ranks share can serve one rank's compiled graph to the other.
 
 The last table has every side once: step time as median, min and max over the timed steps
 (interleaved with the other sides'; each step's time is its slowest rank's), the ratio to the
-DTensor side of the same sp and mode, and from one profiled step (``StepProfile``) the
+DTensor side of the same sp and mode (and, for compiled sides, to the per-block compiled one),
+and from one profiled step (``StepProfile``) the
 collectives gloo ran, the ``wait_tensor`` and ``aten::fill_`` calls, and the peak memory;
 ``--ops N`` also lists each side's N ops with the most self CPU time in that step.
 
@@ -511,13 +515,20 @@ def anchor_of(side: str) -> str | None:
     return f"DTensor {sp}" + (" torch.compile" if compiled else "")
 
 
+def second_anchor_of(side: str) -> str | None:
+    """For a compiled sptransform side, the DTensor side compiled per block (torchtitan's form)."""
+    if not side.startswith("sptransform ") or "torch.compile" not in side:
+        return None
+    return ("DTensor sp=True" if "sp=True" in side else "DTensor sp=False") + " per-block torch.compile"
+
+
 def summary_table(results: list[dict], reference: float) -> str:
     """Every side in one table: losses, step time (median, min, max over the timed steps), ratio
     to its DTensor anchor (median over median; lower is better), and per step the collectives,
     waits, ``aten::fill_`` calls and peak memory of the profiled step."""
     by = {r["side"]: r for r in results}
-    header = ["side", "first loss", "last loss", "median s", "min s", "max s", "/ anchor", "collectives", "waits",
-              "fill_", "peak MiB"]
+    header = ["side", "first loss", "last loss", "median s", "min s", "max s", "/ anchor", "/ per-block", "collectives",
+              "waits", "fill_", "peak MiB"]
     rows = [[f"(single device: first loss {reference:.6f})", *["" for _ in header[1:]]]]
     for r in results:
         if "error" in r:
@@ -525,10 +536,12 @@ def summary_table(results: list[dict], reference: float) -> str:
             continue
         anchor = by.get(anchor_of(r["side"]) or "")
         ratio = f"{r['step_s'] / anchor['step_s']:.2f}" if anchor and "error" not in anchor else "-"
+        blocks = by.get(second_anchor_of(r["side"]) or "")
+        ratio_blocks = f"{r['step_s'] / blocks['step_s']:.2f}" if blocks and "error" not in blocks else "-"
         p = r.get("profiled") or {}
         rows.append([
             r["side"], f"{r['first_loss']:.6f}", f"{r['last_loss']:.6f}", f"{r['step_s']:.3f}",
-            f"{r['step_s_min']:.3f}", f"{r['step_s_max']:.3f}", ratio,
+            f"{r['step_s_min']:.3f}", f"{r['step_s_max']:.3f}", ratio, ratio_blocks,
             *(str(p.get(k, "-")) for k in ("collectives", "waits", "fills")),
             f"{p['peak_mib']:.1f}" if "peak_mib" in p else "-",
         ])
@@ -822,10 +835,26 @@ def dtensor_worker(args: argparse.Namespace) -> dict:
         make.side_name = name
         return make
 
+    def theirs_compiled_blocks(sp: bool = False):
+        """torchtitan's ``apply_compile``: each transformer block compiled on its own (embedding, head
+        and loss eager). The whole-model compiled DTensor sp=True side fails its first backward on
+        torch 2.13 (pytorch/pytorch#173123); compiled per block it has no output without a gradient."""
+        name = f"DTensor sp={sp} per-block torch.compile"
+
+        def make() -> Side:
+            model = dtensor_gpt2(copy.deepcopy(edited), args.tp, sp)
+            for block in model.transformer.h:
+                block.compile()
+            return Side(name, model, hf_loss, context=loss_parallel,
+                        note="Conv1D->nn.Linear, c_attn->q/k/v, attn.split_size=hidden/tp; blocks compiled",
+                        count_collectives=False, extra={"replicated_params": replicated_dtensor_params(model)})
+        make.side_name = name
+        return make
+
     makers = [ours(True), ours(True, check_inputs=False), theirs(True), ours(False), theirs(False)]
     if args.compiled:
-        makers += [ours_compiled("torch.compile", sp=True), theirs_compiled(sp=True),
-                   ours_compiled("torch.compile"), theirs_compiled()]
+        makers += [ours_compiled("torch.compile", sp=True), theirs_compiled(sp=True), theirs_compiled_blocks(sp=True),
+                   ours_compiled("torch.compile"), theirs_compiled(), theirs_compiled_blocks()]
     if args.compiled_recompute:
         makers += [ours_compiled("inductor"), ours_compiled("eager")]
     if args.sides:
@@ -856,8 +885,8 @@ def main(argv: list[str] | None = None) -> int:
         f"single-device first loss: {ref['original']:.6f} (HF GPT-2 as is), {ref['linear_edit']:.6f} "
         "(Conv1D->Linear edit the DTensor side needs)",
         *ratio_lines(result["results"], [("sptransform sp=True", "DTensor sp=True"), ("sptransform sp=False", "DTensor sp=False")]
-                     + ([(f"sptransform sp={sp} torch.compile(pm)", f"DTensor sp={sp} torch.compile")
-                          for sp in (True, False)] if args.compiled else [])),
+                     + ([(f"sptransform sp={sp} torch.compile(pm)", f"DTensor sp={sp}{blocks} torch.compile")
+                          for sp in (True, False) for blocks in ("", " per-block")] if args.compiled else [])),
         *input_check_lines(result["results"]),
         "gradient sync of replicated params:",
         *("  " + l for l in grad_sync_lines(result["results"])),

@@ -13,11 +13,11 @@ TINY = ["--layers", "1", "--hidden", "64", "--heads", "4", "--vocab", "512", "--
         "--steps", "2", "--warmup", "1"]
 
 
-def run_benchmark(script, extra, tmp_path):
+def run_benchmark(script, extra, tmp_path, timeout=150):
     out = tmp_path / "result.json"
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", script), *TINY, *extra, "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=150,
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout
@@ -59,3 +59,19 @@ def test_sptransform_vs_transformers_tp_plan_auto(tmp_path):
     sides = {"sptransform sp=True", "sptransform sp=False", 'transformers tp_plan="auto"'}
     assert_same_losses(result, result["single_device_loss"], sides)
     assert 'sptransform sp=False / transformers tp_plan="auto"' in stdout
+
+
+@pytest.mark.slow
+def test_compiled_sp_against_per_block_compiled_dtensor(tmp_path):
+    """The TP+SP compiled anchor that runs on torch 2.13: the DTensor plan with each block compiled
+    (torchtitan's form); both compiled sides train as one device does."""
+    result, stdout = run_benchmark(
+        "tp_vs_dtensor.py", ["--compiled", "--sides", "sp=True torch.compile(pm)", "sp=True per-block"], tmp_path, timeout=420)
+    rows = {r["side"]: r for r in result["results"]}
+    assert set(rows) == {"sptransform sp=True torch.compile(pm)", "DTensor sp=True per-block torch.compile"}
+    assert not {n: r["error"] for n, r in rows.items() if "error" in r}
+    for name, row in rows.items():
+        assert row["first_loss"] == pytest.approx(result["single_device_loss"]["original"], rel=1e-4), name
+    assert abs(rows["sptransform sp=True torch.compile(pm)"]["last_loss"]
+               - rows["DTensor sp=True per-block torch.compile"]["last_loss"]) <= 1e-3
+    assert "sptransform sp=True torch.compile(pm) / DTensor sp=True per-block torch.compile: step time" in stdout
