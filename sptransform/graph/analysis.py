@@ -34,7 +34,7 @@ import torch.fx as fx
 
 from sptransform.capture import CapturedGraph
 from sptransform.graph.findings import EmbeddingMatch, LinearMatch, ModelAnalysis, Region
-from sptransform.graph.nodes import MOVES_ONLY, describe, forward_closure, is_grouped_mm, packet, shape_of, tensor_nbytes
+from sptransform.graph.nodes import MOVES_ONLY, describe, forward_closure, is_grouped_mm, output_shape, packet, shape_of, tensor_nbytes
 from sptransform.graph.placement import DimShard, ParamPlacement, whole
 from sptransform.graph.reasons import divisibility_message, whole_reasons
 from sptransform.graph.rules.forward import READS_METADATA_ONLY
@@ -300,9 +300,18 @@ def trace_region(
             cuts.append((node, spec))
             continue
         if is_getitem(node):
-            if is_split(node.args[0]):
-                chunk_pending[node.args[0]][node.args[1]] = spec
+            parent = node.args[0]
+            if is_split(parent):
+                chunk_pending[parent][node.args[1]] = spec
                 specs[node] = spec
+            elif output_shape(parent) == shape_of(node) and shape_of(parent) is None:
+                try:  # max.dim's values: its outputs are split alike, so the op runs split
+                    check(parent, spec)
+                except ShardingError:
+                    cuts.append((node, spec))
+                    continue
+                specs[node] = spec
+                pending[parent] = spec
             else:
                 cuts.append((node, spec))
             continue

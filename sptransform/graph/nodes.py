@@ -211,6 +211,18 @@ def shape_of(node) -> tuple[int, ...] | None:
     return None
 
 
+def output_shape(node) -> tuple[int, ...] | None:
+    """``shape_of``, or for an op with several tensor outputs of one shape (``max.dim``'s values
+    and indices, ``var_mean``) that shape: each output is split as the others."""
+    shape = shape_of(node)
+    value = node.meta.get("val") if shape is None and isinstance(node, fx.Node) else None
+    if isinstance(value, (tuple, list)):
+        shapes = {tuple(int(s) for s in v.shape) for v in value if isinstance(v, torch.Tensor)}
+        if len(shapes) == 1:
+            return shapes.pop()
+    return shape
+
+
 def describe(node: fx.Node) -> str:
     """``aten.view.default (node view) at model.py, line 42: code`` for error messages: the
     innermost frame of the user's code (not torch's) that made the op."""

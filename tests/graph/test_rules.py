@@ -107,6 +107,24 @@ def test_broadcast_to_keeps_a_split_of_the_dims_it_does_not_grow_and_its_size_is
     assert _SIZE_ARG[aten.broadcast_to] == 1  # the size argument: rewritten to the local length
 
 
+def test_max_dim_keeps_a_split_of_the_dims_it_does_not_reduce_and_max_other_is_elementwise():
+    """An attention with sinks subtracts each row's maximum (``max.dim``: values and indices)
+    before its softmax; split by heads, the maximum over the keys runs split. ``max.other``
+    is elementwise and keeps the pointwise rule."""
+    gm = _graph(lambda x: aten.max.dim(x, -1, True), torch.randn(2, 4, 8))
+    (x,), op = _inputs(gm), _op(gm, aten.max)
+    decision = _forward(op, {x: whole(1, 4)})
+    assert decision.output == (whole(1, 4), whole(1, 4)) and decision.needs == {x: whole(1, 4)}
+    assert _forward(op, {x: whole(2, 8)}).output == (REPLICATED, REPLICATED)  # over the split dim: whole
+    assert _backward(op, whole(1, 4)) == {x: whole(1, 4)}
+    gm = _graph(lambda a, b: aten.max.other(a, b), torch.randn(4, 8), torch.randn(4, 8))
+    (a, b), op = _inputs(gm), _op(gm, aten.max)
+    assert _forward(op, {a: whole(1, 8), b: whole(1, 8)}).output == whole(1, 8)
+    gm = _graph(lambda x: aten.logsumexp.default(x, [-1]), torch.randn(2, 4, 8))
+    (x,), op = _inputs(gm), _op(gm, aten.logsumexp)
+    assert _forward(op, {x: whole(1, 4)}).output == whole(1, 4)
+
+
 def test_softmax_may_not_be_split_along_the_dim_it_normalizes():
     gm = _graph(lambda x: aten._softmax.default(x, -1, False), torch.randn(4, 8))
     (x,), softmax = _inputs(gm), _op(gm, aten._softmax)

@@ -1,5 +1,5 @@
-"""Multi-query, grouped (fewer K/V heads or groups than tp) and low-rank (MLA) attention on 2 real gloo
-ranks, float64: the loss, every gradient and the parameters after 2 optimizer steps equal the
+"""Multi-query, grouped (fewer K/V heads or groups than tp), low-rank (MLA) and sink (row maximum
+subtracted) attention on 2 real gloo ranks, float64: the loss, every gradient and the parameters after 2 optimizer steps equal the
 unmodified model's, and each rank holds the share of the parameter bytes the split promises.
 
 One spawn runs every model (spawning is the slow part). The tolerance is float32's, not
@@ -60,11 +60,23 @@ def falcon_new_decoder_one_group():
     return transformers.FalconForCausalLM(config)
 
 
+def mimo_with_sinks():
+    """MiMo-V2-Flash's eager attention subtracts each row's maximum (``max.dim``) before its softmax,
+    its sliding layer after concatenating per-head sinks: the attention was held whole (the region
+    walk stopped at ``max.dim``) until the reduction's outputs were split alike."""
+    config = transformers.MiMoV2FlashConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, v_head_dim=8, max_position_embeddings=64, sliding_window=8,
+        layer_types=["full_attention", "sliding_attention"], mlp_layer_types=["dense", "dense"], use_cache=False)
+    return transformers.MiMoV2FlashForCausalLM._from_config(config, attn_implementation="eager")
+
+
 CASES = [  # (builder, sp, largest share of the parameter bytes a rank may hold)
     (deepseek_v3_dense, True, 0.55),   # 0.538; 0.590 before the MLA up-projections were split
     (llama_one_kv_head, True, 0.52),   # 0.512
     (falcon_multi_query, False, 0.61),  # 0.594: the fused multi-query QKV stays whole: see the README's Limits
     (falcon_new_decoder_one_group, True, 0.61),  # the same fused QKV, whole; the MLP and output split
+    (mimo_with_sinks, True, 0.51),  # 0.502 (its norms and sinks whole)
 ]
 
 

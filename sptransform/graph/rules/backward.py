@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from sptransform.graph.nodes import describe, shape_of
+from sptransform.graph.nodes import describe, output_shape, shape_of
 from sptransform.graph.placement import DimShard
 from sptransform.graph.rules.base import CUT, LinksRule, ShardingError
 from sptransform.graph.rules.geometry import reshape_spec, strided_slice_input_spec
@@ -31,7 +31,7 @@ def linked_backward(node: fx.Node, links: LinksRule | None, spec: DimShard, tp: 
         linked, forbidden = links(node)
     except KeyError:  # no links for this call (repeat_interleave by a tensor)
         return None
-    out = shape_of(node)
+    out = output_shape(node)
     if spec.dim in forbidden:
         raise ShardingError(f"{describe(node)} reduces, normalizes or contracts dim {spec.dim}, which is split")
     result: list[tuple[fx.Node, object]] = []

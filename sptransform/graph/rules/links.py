@@ -33,7 +33,11 @@ POINTWISE = frozenset({
 """Elementwise ops (with broadcasting), by packet; ops tagged ``torch.Tag.pointwise`` count too.
 The softmaxes are elementwise but for the dim they normalize over."""
 SOFTMAXES = frozenset({aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax})
-REDUCTIONS = frozenset({aten.sum, aten.mean, aten.amax, aten.amin, aten.var, aten.std, aten.var_mean})
+REDUCTIONS = frozenset({aten.sum, aten.mean, aten.amax, aten.amin, aten.var, aten.std, aten.var_mean, aten.argmax,
+                        aten.argmin, aten.logsumexp})
+REDUCING_OVERLOADS = frozenset({aten.max.dim, aten.min.dim, aten.max.default, aten.min.default})
+"""``max``/``min`` by overload: ``max.dim`` reduces (values and indices, e.g. the row maximum an
+attention with sinks subtracts before its softmax) while ``max.other`` is elementwise."""
 
 
 def _tensor_args(node: fx.Node) -> list[fx.Node]:

@@ -56,7 +56,7 @@ from sptransform.graph.rules.forward import (
 )
 from sptransform.graph.rules.geometry import SPLIT_PACKETS, VIEWS
 from sptransform.graph.rules.links import (
-    POINTWISE as POINTWISE_PACKETS, REDUCTIONS, addmm_links, grouped_mm_links, reduction_links, cat_links, embedding_links, expand_links,
+    POINTWISE as POINTWISE_PACKETS, REDUCING_OVERLOADS, REDUCTIONS, addmm_links, grouped_mm_links, reduction_links, cat_links, embedding_links, expand_links,
     index_select_links, linear_links, matmul_links, norm_links, permute_links, pointwise_links,
     repeat_interleave_links, sdpa_links, select_links, slice_links, squeeze_links, t_links, transpose_links,
     unsqueeze_links,
@@ -90,12 +90,14 @@ _COPIES = {aten.clone, aten.contiguous, aten.alias, aten.detach, aten.to, aten._
 _LINKED_POINTWISE = _COPIES | {aten.where, aten.masked_fill, aten.dropout, aten.softmax, aten._softmax,
                                aten.log_softmax, aten._log_softmax}
 
+REDUCTION = OpRule(reduction_links, reduction_forward, linked_backward)
+
 RULES: dict[object, OpRule] = {
     **{p: OpRule(pointwise_links, linked_forward if p in _LINKED_POINTWISE else _if_tagged_pointwise,
                  linked_backward, moves_data_only=p in _COPIES) for p in POINTWISE_PACKETS},
     **{p: OpRule(links, linked_forward, linked_backward, moves_data_only=True) for p, links in _LAYOUT.items()},
     **{p: OpRule(None, view_forward, view_backward, moves_data_only=True) for p in VIEWS},
-    **{p: OpRule(reduction_links, reduction_forward, linked_backward) for p in REDUCTIONS},
+    **{p: REDUCTION for p in REDUCTIONS},
     **{p: OpRule(None, split_forward, None) for p in SPLIT_PACKETS},
     aten.layer_norm: OpRule(norm_links, linked_forward, linked_backward),
     aten.rms_norm: OpRule(norm_links, linked_forward, linked_backward),
@@ -126,6 +128,8 @@ def rule_for(node: fx.Node) -> OpRule | None:
         return None
     if is_grouped_mm(node):
         return GROUPED_MM
+    if node.target in REDUCING_OVERLOADS:
+        return REDUCTION
     rule = RULES.get(packet(node))
     if rule is None and _is_pointwise(node):
         return POINTWISE
