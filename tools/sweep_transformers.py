@@ -1093,18 +1093,20 @@ def update_rows(doc: str, path: str) -> None:
     if begin not in text:
         raise SystemExit(f"sweep_transformers: {doc} has no section 'transformers-sweep' to update")
     section = text.split(begin, 1)[1].split(end, 1)[0]
-    if "are from a later run" in section:  # one sentence says where the rows come from
-        raise SystemExit(f"sweep_transformers: {doc}'s section was updated before; rerun the whole sweep")
+    # one sentence per update says where its rows come from; earlier ones are kept
+    earlier = re.findall(r"Rows of \d+ families \(.*?\) are from a later run \(.*?\); the totals count every row below\.",
+                         section)
     old, old_meta = results_from_section(section)
     with open(path) as f:
         saved = json.load(f)
     new = {r["model_type"]: r for r in saved["results"]}
     results = [new.pop(r["model_type"], r) for r in old] + list(new.values())
     fresh, m = sorted(r["model_type"] for r in saved["results"]), saved["meta"]
-    meta = dict(old_meta, updated=(
+    engine = f"; on {m['engine']}" if m.get("engine") and "processes" in m["engine"] else ""
+    meta = dict(old_meta, updated=" ".join([*earlier, (
         f"Rows of {len(fresh)} families ({', '.join(fresh)}) are from a later run (`--only … --json`, "
         f"`--update-rows`: {m['when']}; transformers {m['transformers']}, torch {m['torch']}; {m['seconds']:.0f} s "
-        f"with --jobs {m['jobs']}; same shrink and columns); the totals count every row below."))
+        f"with --jobs {m['jobs']}{engine}; same shrink and columns); the totals count every row below.")]))
     write_section(doc, "transformers-sweep", render(results, meta))
 
 
