@@ -34,13 +34,13 @@ import torch.fx as fx
 
 from sptransform.capture import CapturedGraph
 from sptransform.graph.findings import EmbeddingMatch, LinearMatch, ModelAnalysis, Region
-from sptransform.graph.nodes import MOVES_ONLY, describe, forward_closure, is_grouped_mm, output_shape, packet, shape_of, tensor_nbytes
+from sptransform.graph.nodes import MOVES_ONLY, describe, forward_closure, is_grouped_mm, packet, shape_of, tensor_nbytes
 from sptransform.graph.placement import DimShard, ParamPlacement, whole
 from sptransform.graph.reasons import divisibility_message, whole_reasons
 from sptransform.graph.rules.forward import READS_METADATA_ONLY
 from sptransform.graph.rules import (
-    CUT, ShardingError, input_specs_for_output, is_getitem, is_split, slice_bounds, slices_input_spec, split_chunks,
-    split_dim, split_input_spec,
+    CUT, ShardingError, input_specs_for_output, is_getitem, is_split, reduces_into_alike_outputs, slice_bounds,
+    slices_input_spec, split_chunks, split_dim, split_input_spec,
 )
 from sptransform.torch_internals import pytree
 
@@ -304,7 +304,7 @@ def trace_region(
             if is_split(parent):
                 chunk_pending[parent][node.args[1]] = spec
                 specs[node] = spec
-            elif output_shape(parent) == shape_of(node) and shape_of(parent) is None:
+            elif reduces_into_alike_outputs(parent):
                 try:  # max.dim's values: its outputs are split alike, so the op runs split
                     check(parent, spec)
                 except ShardingError:

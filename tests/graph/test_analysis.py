@@ -108,3 +108,39 @@ def test_a_key_buffer_made_with_new_empty_from_a_split_tensor_keeps_the_attentio
     attention = [r for r in analyze(captured, 2).regions if r.kind == "attention"]
     assert [r.row.weight_name for r in attention] == ["attn.0.o.weight", "attn.1.o.weight"]
     assert {attention[0].column_linears[c].weight_name for c in attention[0].columns} == {"attn.0.q.weight", "attn.0.kv_b.weight"}
+
+
+class _MaxShiftedAttention(torch.nn.Module):
+    """Scores minus each row's maximum (``max.dim``'s values) before the softmax, as attentions
+    with sinks write it; a sink logit per head concatenated to the scores."""
+
+    def __init__(self, hidden=32, heads=4, vocab=61):
+        super().__init__()
+        self.heads, self.dim = heads, hidden // heads
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.q, self.k, self.v = (torch.nn.Linear(hidden, hidden, bias=False) for _ in range(3))
+        self.o = torch.nn.Linear(hidden, hidden, bias=False)
+        self.sinks = torch.nn.Parameter(torch.zeros(heads))
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        b, s, _ = x.shape
+        q, k, v = (f(x).view(b, s, self.heads, self.dim).transpose(1, 2) for f in (self.q, self.k, self.v))
+        scores = q @ k.transpose(-1, -2)
+        scores = torch.cat([scores, self.sinks.reshape(1, -1, 1, 1).expand(b, -1, s, 1)], dim=-1)
+        scores = scores - scores.max(dim=-1, keepdim=True).values
+        probs = scores.softmax(-1)[..., :-1]
+        y = (probs @ v).transpose(1, 2).reshape(b, s, -1)
+        return self.head(x + self.o(y))
+
+
+def test_an_attention_that_subtracts_the_row_maximum_is_split_by_heads():
+    """The walk back from ``o`` passes ``max.dim`` (two outputs of one shape, split alike)."""
+    from sptransform.passes.canonicalize import remove_dead_code
+
+    captured = capture(FakeTemplate(_MaxShiftedAttention(), torch.device("cpu")), (torch.randint(0, 61, (2, 8)),), {})
+    remove_dead_code(captured.gm)  # as the pipeline does: max.dim's unread indices
+    attention = [r for r in analyze(captured, 2).regions if r.kind == "attention"]
+    assert [r.row.weight_name for r in attention] == ["o.weight"]
+    assert {attention[0].column_linears[c].weight_name for c in attention[0].columns} == {"q.weight", "k.weight", "v.weight"}

@@ -43,7 +43,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from sptransform.graph.nodes import is_grouped_mm, packet
+from sptransform.graph.nodes import is_grouped_mm, output_shape, packet
 from sptransform.graph.placement import PARTIAL, REPLICATED, DimShard
 from sptransform.graph.rules.backward import linked_backward, slice_backward, view_backward
 from sptransform.graph.rules.base import (
@@ -136,6 +136,13 @@ def rule_for(node: fx.Node) -> OpRule | None:
     return rule
 
 
+def reduces_into_alike_outputs(node: fx.Node) -> bool:
+    """A reduction with several tensor outputs of one shape (``max.dim``: values and indices,
+    ``var_mean``): each output is split as the others, so a split wanted of one is the op's."""
+    value = node.meta.get("val")
+    return rule_for(node) is REDUCTION and isinstance(value, (tuple, list)) and output_shape(node) is not None
+
+
 def forward_rule(node: fx.Node, placement_of: PlacementOf, ctx: RuleContext) -> Decision | None:
     """Where ``node``'s inputs must live and where its output lives (see module docstring).
 
@@ -182,4 +189,5 @@ def input_specs_for_output(node: fx.Node, spec: DimShard, tp: int) -> list[tuple
     return dtensor_backward(node, spec)
 
 
-__all__ = ["POINTWISE", "RULES", "ShardingError", "forward_rule", "gather_all", "input_specs_for_output", "rule_for"]
+__all__ = ["POINTWISE", "RULES", "ShardingError", "forward_rule", "gather_all", "input_specs_for_output",
+           "reduces_into_alike_outputs", "rule_for"]
