@@ -5,6 +5,8 @@
   consecutive rows of one along its output features (a fused projection taken apart with
   ``split``/``chunk``/``slice``, as ``nn.MultiheadAttention`` does for cross-attention); such a
   parameter is split as its pieces are, side by side, when every piece is column-parallel;
+  experts are linears per expert: a grouped matmul of a 3-D parameter, or a ``bmm`` by one
+  gathered per token-expert pair (``W[expert_ids]``);
 * an **embedding** is ``aten.embedding`` of a parameter;
 * a **tensor-parallel region** pairs a row-parallel linear with the column-parallel
   linears feeding it: walking back from the row linear's input, asking at each op

@@ -13,7 +13,8 @@ order) answers with a ``Decision``. In order:
 2. our forward rule, for the ops the training IR keeps whole and the ones whose splits we track
    in fused segments: views, layout and pointwise ops, reductions, splits, matmuls (a
    contraction over split dims is a partial sum), norms, softmax, SDPA, embedding,
-   cross-entropy (vocabulary-parallel), and ``new_empty`` and kin (the input read where it is);
+   cross-entropy (vocabulary-parallel), indexing by integer tensors (``W[ids]``: the dims the
+   index does not read keep their split), and ``new_empty`` and kin (the input read where it is);
 3. DTensor's strategies for every other ATen op;
 4. none applies: every input is gathered to replicated and the op runs whole on every rank.
 
