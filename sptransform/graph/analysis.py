@@ -5,6 +5,8 @@
   consecutive rows of one along its output features (a fused projection taken apart with
   ``split``/``chunk``/``slice``, as ``nn.MultiheadAttention`` does for cross-attention); such a
   parameter is split as its pieces are, side by side, when every piece is column-parallel;
+  experts are linears per expert: a grouped matmul of a 3-D parameter, or a ``bmm`` by one
+  gathered per token-expert pair (``W[expert_ids]``);
 * an **embedding** is ``aten.embedding`` of a parameter;
 * a **tensor-parallel region** pairs a row-parallel linear with the column-parallel
   linears feeding it: walking back from the row linear's input, asking at each op
@@ -114,15 +116,59 @@ def _param_through_views(node, captured: CapturedGraph):
     return None, None, None
 
 
+def _gathered_experts(node, captured: CapturedGraph) -> tuple[fx.Node, list[int]] | None:
+    """If ``node`` is ``index(W, [ids])`` of a 3-D parameter (maybe through views) by one 1-D
+    index tensor on its first dim, one ``[N, K]`` weight per row of ``ids``: (placeholder, the
+    dim permutation from the indexed tensor's dims to the parameter's). Else None."""
+    if not isinstance(node, fx.Node) or packet(node) is not aten.index:
+        return None
+    table, indices = node.args[0], list(node.args[1])
+    if len(shape_of(table) or ()) != 3 or len(indices) != 1 or len(shape_of(indices[0]) or ()) != 1:
+        return None
+    placeholder, perm, piece = _param_through_views(table, captured)
+    if placeholder is None or piece is not None:
+        return None
+    return placeholder, perm if perm is not None else [0, 1, 2]
+
+
+def _batched_experts(node: fx.Node, captured: CapturedGraph) -> LinearMatch | None:
+    """``bmm`` of an activation by experts' weights gathered per token, as transformers'
+    ``experts_implementation="batched_mm"`` runs its experts: one linear per expert.
+
+        bmm(W[ids] [S, N, K], x [S, K, 1]) -> [S, N, 1]   (W stored [E, N, K])
+        bmm(x [S, 1, K], W[ids] [S, K, N]) -> [S, 1, N]   (W stored [E, K, N], ``is_transposed``)
+    """
+    a, b = node.args[:2]
+    for weight, x, feature_dims, input_dim, output_dim in ((a, b, (1, 2), 1, 1), (b, a, (2, 1), 2, 2)):
+        found = _gathered_experts(weight, captured)
+        if found is None or _gathered_experts(x, captured) is not None:
+            continue
+        placeholder, perm = found
+        out_dim, in_dim = (perm[d] for d in feature_dims)
+        wshape = shape_of(placeholder)
+        return LinearMatch(
+            node=node, input=x, weight=placeholder, weight_name=captured.param_of(placeholder), out_dim=out_dim,
+            bias=None, bias_name=None, in_features=wshape[in_dim], out_features=wshape[out_dim], in_dim=in_dim,
+            per_group=True, input_dim=input_dim, output_dim=output_dim,
+        )
+    return None
+
+
 def find_linears(captured: CapturedGraph) -> dict[fx.Node, LinearMatch]:
     """Every matmul-like op with a parameter operand, or a piece of one along its output features
     (a fused projection taken apart: torch's ``nn.MultiheadAttention`` cross-attention splits
-    ``in_proj_weight`` into ``[q]`` and ``[k|v]``, and with ``kdim`` chunks ``in_proj_bias`` in 3)."""
+    ``in_proj_weight`` into ``[q]`` and ``[k|v]``, and with ``kdim`` chunks ``in_proj_bias`` in 3),
+    and the experts' matmuls (a grouped matmul of a 3-D parameter, a ``bmm`` of one gathered per token)."""
     found: dict[fx.Node, LinearMatch] = {}
     for node in captured.gm.graph.nodes:
         if node.op != "call_function":
             continue
         p = packet(node)
+        if p is aten.bmm:
+            match = _batched_experts(node, captured)
+            if match is not None:
+                found[node] = match
+            continue
         if p is aten.linear:
             x, w = node.args[0], node.args[1]
             bias = node.args[2] if len(node.args) > 2 else None
@@ -256,7 +302,8 @@ def trace_region(
         if node in pending and pending[node] != spec:
             raise ShardingError(f"{describe(node)} is needed split in two different ways")
 
-    start = whole(len(shape_of(x)) - 1, shape_of(x)[-1])
+    in_dim = row.input_dim % len(shape_of(x))
+    start = whole(in_dim, shape_of(x)[in_dim])
     check(x, start)
     pending[x] = start
     slice_pending: dict[fx.Node, list[tuple[fx.Node, DimShard]]] = defaultdict(list)
@@ -290,7 +337,7 @@ def trace_region(
             continue
         spec = pending.pop(node)
         if node in linears and node is not row.node:
-            if spec.dim == len(shape_of(node)) - 1:
+            if spec.dim == linears[node].output_dim % len(shape_of(node)):
                 columns[node] = spec
                 specs[node] = spec
             else:

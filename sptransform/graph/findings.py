@@ -41,8 +41,13 @@ class LinearMatch:
     in_dim: int | None = None
     """Dim of the parameter that indexes input features (None: the other of a 2-D weight's two)."""
     per_group: bool = False
-    """A grouped matmul (``nodes.GROUPED_MM_OPS``): the parameter holds one ``[K, N]`` weight per
-    expert, each split alike (experts' gate/up column-wise, down row-wise)."""
+    """The parameter holds one weight per expert, each split alike (experts' gate/up
+    column-wise, down row-wise): a grouped matmul (``nodes.GROUPED_MM_OPS``), or a ``bmm`` by the
+    experts' weights gathered per token (``W[expert_ids]``)."""
+    input_dim: int = -1
+    """Dim of the activation operand that the linear contracts (its input features)."""
+    output_dim: int = -1
+    """Dim of the linear's output that holds its output features."""
 
     @property
     def weight_in_dim(self) -> int:

@@ -123,3 +123,79 @@ def test_strided_slices_of_a_whole_dim_carry_its_split_both_ways():
     gm = _one_op_graph(lambda x: torch.ops.aten.slice.Tensor(x, 1, 1, 9223372036854775807, 2), torch.randn(3, 6))
     (x,), op = placeholders(gm), next(n for n in gm.graph.nodes if n.op == "call_function")
     assert _forward(op, {x: whole(1, 6)}).output == REPLICATED
+
+
+# ---------------------------------------------------------------------------
+# experts gathered per token and run by bmm (transformers' experts_implementation="batched_mm")
+
+
+class BatchedExperts(nn.Module):
+    """Top-2 routing, each token-expert pair's weights gathered (``W[expert_ids]``) and applied by
+    ``bmm``, the pairs summed back per token, as transformers' ``batched_mm`` experts run.
+    ``transposed``: weights stored ``[E, in, out]`` (GPT-OSS) instead of ``[E, out, in]``;
+    ``bias``: a bias per expert and projection; ``interleaved``: gate and up interleaved along the
+    features (GPT-OSS's ``gate_up[..., ::2]``) instead of two halves."""
+
+    def __init__(self, transposed=False, bias=False, interleaved=False):
+        super().__init__()
+        self.transposed, self.interleaved = transposed, interleaved
+        self.emb = nn.Embedding(V, H)
+        self.router = nn.Linear(H, E, bias=False)
+        shape = (lambda out, inp: (E, inp, out)) if transposed else (lambda out, inp: (E, out, inp))
+        self.gate_up = nn.Parameter(torch.randn(*shape(2 * I, H)) / H ** 0.5)
+        self.down = nn.Parameter(torch.randn(*shape(H, I)) / I ** 0.5)
+        self.gate_up_bias = nn.Parameter(torch.randn(E, 2 * I) / 10) if bias else None
+        self.down_bias = nn.Parameter(torch.randn(E, H) / 10) if bias else None
+        self.norm = nn.RMSNorm(H)
+        self.head = nn.Linear(H, V, bias=False)
+
+    def _linear(self, x, w, b):  # x [S, in], w [S, out, in] (or [S, in, out] transposed)
+        y = torch.bmm(x.unsqueeze(1), w).squeeze(1) if self.transposed else torch.bmm(w, x.unsqueeze(-1)).squeeze(-1)
+        return y if b is None else y + b
+
+    def forward(self, ids, labels):
+        x = self.emb(ids).flatten(0, 1)  # [T, H]
+        weights, experts = self.router(x).softmax(-1).topk(2, dim=-1)  # [T, 2]
+        pairs = experts.reshape(-1)  # [S = 2T]
+        xs = x.repeat_interleave(2, dim=0)  # [S, H]
+        h = self._linear(xs, self.gate_up[pairs], self.gate_up_bias[pairs] if self.gate_up_bias is not None else None)
+        gate, up = (h[..., ::2], h[..., 1::2]) if self.interleaved else h.chunk(2, dim=-1)  # [S, I] each
+        h = F.silu(gate) * up
+        ys = self._linear(h, self.down[pairs], self.down_bias[pairs] if self.down_bias is not None else None)  # [S, H]
+        y = (ys * weights.reshape(-1, 1)).view(-1, 2, H).sum(1)  # [T, H]
+        logits = self.head(self.norm(x + y))
+        return F.cross_entropy(logits, labels.flatten())
+
+
+LAYOUTS = [dict(), dict(transposed=True, bias=True, interleaved=True)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["stored_out_in", "transposed_biased_interleaved"])
+def test_bmm_of_expert_weights_gathered_per_token_splits_like_a_dense_mlp_per_expert(layout):
+    captured = capture(FakeTemplate(BatchedExperts(**layout), torch.device("cpu")), _inputs(), {})
+    found = {lm.weight_name: lm for lm in find_linears(captured).values() if lm.per_group}
+    out_dim, in_dim = (2, 1) if layout else (1, 2)
+    gate_up, down = found["gate_up"], found["down"]
+    assert (gate_up.out_dim, gate_up.weight_in_dim, gate_up.in_features, gate_up.out_features) == (out_dim, in_dim, H, 2 * I)
+    assert (down.out_dim, down.weight_in_dim, down.in_features, down.out_features) == (out_dim, in_dim, I, H)
+    analysis = analyze(captured, 2)
+    (region,) = analysis.regions
+    assert region.row.weight_name == "down"
+    placements = parameter_placements(analysis, 2)
+    # halves [gate | up]: two segments; interleaved [g0 u0 g1 u1 ...]: rank r's gate and up rows are contiguous
+    gate_up_split = ((0, 2 * I),) if layout.get("interleaved") else ((0, I), (I, I))
+    assert placements["gate_up"].spec == DimShard(out_dim, gate_up_split)
+    assert placements["down"].spec == DimShard(in_dim, ((0, I),))
+    assert "router.weight" not in placements
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["stored_out_in", "transposed_biased_interleaved"])
+def test_batched_experts_train_like_the_original_on_simulated_ranks_holding_half_the_expert_bytes(layout):
+    from simulate import train_side_by_side
+
+    train_side_by_side(lambda: BatchedExperts(**layout), _inputs(), tp=2, sp=False, steps=2, rtol=1e-4, atol=1e-5)
+    with simulated_ranks(2):
+        torch.manual_seed(0)
+        pm = sptransform.parallelize(BatchedExperts(**layout), tp=2, sp=False, example_inputs=_inputs())
+        held = pm.held_share()
+    assert held < 0.56, held

@@ -179,6 +179,33 @@ def index_select_links(node: fx.Node) -> tuple[Links, set[int]]:
     return [(node.args[0], {o: o for o in range(n)})], {norm_dim(node.args[1], n)}
 
 
+def index_links(node: fx.Node) -> tuple[Links, set[int]]:
+    """``index(x, [None, ids, None])``: advanced indexing by integer tensors in adjacent dims.
+    The dims no index reads link to ``x``'s (so ``W[ids]`` of an expert weight ``[E, N, K]``
+    split on ``N`` is split on ``N``); the dims the indices make (their broadcast shape, where the
+    first indexed dim was) link to each index tensor, where it is not broadcast. Boolean masks
+    (data-dependent shapes) or indices in dims apart (torch moves their dims first): no rule
+    (``KeyError``)."""
+    x, indices = node.args[0], list(node.args[1])
+    at = [d for d, t in enumerate(indices) if t is not None]
+    if not at or at != list(range(at[0], at[-1] + 1)) or any(
+            not isinstance(indices[d], fx.Node) or indices[d].meta["val"].dtype in (torch.bool, torch.uint8) for d in at):
+        raise KeyError(packet(node))
+    n_in, n_out = len(shape_of(x)), len(shape_of(node))
+    made = n_out - (n_in - len(at))  # dims of the broadcast index shape
+    first = at[0]
+    mapping = {o: o for o in range(first)}
+    mapping.update({first + made + k: at[-1] + 1 + k for k in range(n_in - at[-1] - 1)})
+    links = [(x, mapping)]
+    out = shape_of(node)
+    for d in at:
+        shape = shape_of(indices[d])
+        offset = made - len(shape)
+        links.append((indices[d], {first + offset + k: k for k in range(len(shape))
+                                   if shape[k] != 1 or out[first + offset + k] == 1}))
+    return links, set()
+
+
 def matmul_links(node: fx.Node) -> tuple[Links, set[int]]:
     """``mm``/``bmm``/``matmul``: rows link to ``a``, columns to ``b``, batch dims to whichever
     operand has them unbroadcast; the contracted dim is no output dim."""

@@ -13,7 +13,8 @@ order) answers with a ``Decision``. In order:
 2. our forward rule, for the ops the training IR keeps whole and the ones whose splits we track
    in fused segments: views, layout and pointwise ops, reductions, splits, matmuls (a
    contraction over split dims is a partial sum), norms, softmax, SDPA, embedding,
-   cross-entropy (vocabulary-parallel), and ``new_empty`` and kin (the input read where it is);
+   cross-entropy (vocabulary-parallel), indexing by integer tensors (``W[ids]``: the dims the
+   index does not read keep their split), and ``new_empty`` and kin (the input read where it is);
 3. DTensor's strategies for every other ATen op;
 4. none applies: every input is gathered to replicated and the op runs whole on every rank.
 
@@ -56,8 +57,9 @@ from sptransform.graph.rules.forward import (
 )
 from sptransform.graph.rules.geometry import SPLIT_PACKETS, VIEWS
 from sptransform.graph.rules.links import (
-    POINTWISE as POINTWISE_PACKETS, REDUCING_OVERLOADS, REDUCTIONS, addmm_links, grouped_mm_links, reduction_links, cat_links, embedding_links, expand_links,
-    index_select_links, linear_links, matmul_links, norm_links, permute_links, pointwise_links,
+    POINTWISE as POINTWISE_PACKETS, REDUCING_OVERLOADS, REDUCTIONS, addmm_links, grouped_mm_links, reduction_links,
+    cat_links, embedding_links, expand_links, index_links, index_select_links, linear_links, matmul_links, norm_links,
+    permute_links, pointwise_links,
     repeat_interleave_links, sdpa_links, select_links, slice_links, squeeze_links, t_links, transpose_links,
     unsqueeze_links,
 )
@@ -106,6 +108,7 @@ RULES: dict[object, OpRule] = {
     aten.repeat_interleave: OpRule(repeat_interleave_links, linked_forward, linked_backward),
     aten.cat: OpRule(cat_links, linked_forward, linked_backward),
     aten.index_select: OpRule(index_select_links, linked_forward, linked_backward),
+    aten.index: OpRule(index_links, linked_forward, linked_backward),
     aten.mm: OpRule(matmul_links, matmul_forward, linked_backward),
     aten.bmm: OpRule(matmul_links, matmul_forward, linked_backward),
     aten.matmul: OpRule(matmul_links, matmul_forward, linked_backward),
