@@ -131,17 +131,30 @@ def _gathered_experts(node, captured: CapturedGraph) -> tuple[fx.Node, list[int]
     return placeholder, perm if perm is not None else [0, 1, 2]
 
 
+def _stacked_experts(node, captured: CapturedGraph) -> tuple[fx.Node, list[int]] | None:
+    """If ``node`` is a 3-D parameter (maybe through views) read whole, one ``[N, K]`` weight per
+    batch entry (the experts' dim): (placeholder, the dim permutation). Else None."""
+    placeholder, perm, piece = _param_through_views(node, captured)
+    if placeholder is None or piece is not None or len(shape_of(placeholder) or ()) != 3:
+        return None
+    return placeholder, perm if perm is not None else [0, 1, 2]
+
+
 def _batched_experts(node: fx.Node, captured: CapturedGraph) -> LinearMatch | None:
-    """``bmm`` of an activation by experts' weights gathered per token, as transformers'
-    ``experts_implementation="batched_mm"`` runs its experts: one linear per expert.
+    """``bmm`` of an activation by experts' weights, one linear per expert: gathered per token, as
+    transformers' ``experts_implementation="batched_mm"`` runs its experts, or the 3-D parameter
+    itself with the experts as the batch dim (Llama 4's experts on tokens laid out ``[E, T, K]``).
 
         bmm(W[ids] [S, N, K], x [S, K, 1]) -> [S, N, 1]   (W stored [E, N, K])
         bmm(x [S, 1, K], W[ids] [S, K, N]) -> [S, 1, N]   (W stored [E, K, N], ``is_transposed``)
+        bmm(x [E, T, K], W [E, K, N]) -> [E, T, N]
     """
     a, b = node.args[:2]
     for weight, x, feature_dims, input_dim, output_dim in ((a, b, (1, 2), 1, 1), (b, a, (2, 1), 2, 2)):
         found = _gathered_experts(weight, captured)
-        if found is None or _gathered_experts(x, captured) is not None:
+        if found is None:
+            found = _stacked_experts(weight, captured)
+        if found is None or _gathered_experts(x, captured) is not None or _stacked_experts(x, captured) is not None:
             continue
         placeholder, perm = found
         out_dim, in_dim = (perm[d] for d in feature_dims)

@@ -199,3 +199,39 @@ def test_batched_experts_train_like_the_original_on_simulated_ranks_holding_half
         pm = sptransform.parallelize(BatchedExperts(**layout), tp=2, sp=False, example_inputs=_inputs())
         held = pm.held_share()
     assert held < 0.56, held
+
+
+class StackedExperts(nn.Module):
+    """Every expert on every token, the experts as ``bmm``'s batch dim (Llama 4's experts run on
+    tokens laid out ``[E, T, H]``), the outputs weighted by the router and summed over experts."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, H)
+        self.router = nn.Linear(H, E, bias=False)
+        self.gate_up = nn.Parameter(torch.randn(E, H, 2 * I) / H ** 0.5)
+        self.down = nn.Parameter(torch.randn(E, I, H) / I ** 0.5)
+        self.norm = nn.RMSNorm(H)
+        self.head = nn.Linear(H, V, bias=False)
+
+    def forward(self, ids, labels):
+        x = self.emb(ids).flatten(0, 1)  # [T, H]
+        scores = self.router(x).softmax(-1)  # [T, E]
+        xs = x.unsqueeze(0).expand(E, -1, -1)  # [E, T, H]
+        gate, up = torch.bmm(xs, self.gate_up).chunk(2, dim=-1)  # [E, T, I] each
+        ys = torch.bmm(F.silu(gate) * up, self.down)  # [E, T, H]
+        y = (ys * scores.t().unsqueeze(-1)).sum(0)  # [T, H]
+        logits = self.head(self.norm(x + y))
+        return F.cross_entropy(logits, labels.flatten())
+
+
+def test_bmm_with_the_experts_as_its_batch_dim_splits_like_a_dense_mlp_per_expert():
+    from simulate import train_side_by_side
+
+    captured = capture(FakeTemplate(StackedExperts(), torch.device("cpu")), _inputs(), {})
+    found = {lm.weight_name: lm for lm in find_linears(captured).values() if lm.per_group}
+    assert (found["gate_up"].out_dim, found["gate_up"].weight_in_dim) == (2, 1)
+    placements = parameter_placements(analyze(captured, 2), 2)
+    assert placements["gate_up"].spec == DimShard(2, ((0, I), (I, I)))
+    assert placements["down"].spec == DimShard(1, ((0, I),))
+    train_side_by_side(StackedExperts, _inputs(), tp=2, sp=False, steps=2, rtol=1e-4, atol=1e-5)
