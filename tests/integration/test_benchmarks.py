@@ -13,11 +13,11 @@ TINY = ["--layers", "1", "--hidden", "64", "--heads", "4", "--vocab", "512", "--
         "--steps", "2", "--warmup", "1"]
 
 
-def run_benchmark(script, extra, tmp_path):
+def run_benchmark(script, extra, tmp_path, timeout=150):
     out = tmp_path / "result.json"
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", script), *TINY, *extra, "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=150,
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout
@@ -59,3 +59,20 @@ def test_sptransform_vs_transformers_tp_plan_auto(tmp_path):
     sides = {"sptransform sp=True", "sptransform sp=False", 'transformers tp_plan="auto"'}
     assert_same_losses(result, result["single_device_loss"], sides)
     assert 'sptransform sp=False / transformers tp_plan="auto"' in stdout
+
+
+@pytest.mark.slow
+def test_dp_tp_benchmark_sides_train_like_one_device(tmp_path):
+    """dp=2 x tp=2 on 4 ranks, ZeRO 0 and 3 beside DTensor's 2-D mesh with replicate and
+    fully_shard: every side's mean loss over the replicas is the single device's on the
+    concatenated batch, first and last, and the common table has its columns."""
+    result, stdout = run_benchmark("dp_tp_vs_dtensor.py", ["--warmup", "0", "--zero", "0", "3"], tmp_path, timeout=400)
+    sides = {"sptransform dp=2 tp=2 sp=False zero=0", "DTensor tp sp=False + replicate",
+             "sptransform dp=2 tp=2 sp=False zero=3", "DTensor tp sp=False + fully_shard"}
+    assert_same_losses(result, result["single_device_loss"], sides)
+    for row in result["results"]:
+        assert row["last_loss"] == pytest.approx(result["single_device_last_loss"], rel=1e-4), row["side"]
+        assert row["profiled"]["collectives"] > 0 and row["step_s_min"] <= row["step_s"] <= row["step_s_max"]
+    header = next(line for line in stdout.splitlines() if line.startswith("side ") and "/ anchor" in line)
+    for column in ("median s", "min s", "max s", "/ anchor", "collectives", "waits", "fill_", "peak MiB"):
+        assert column in header, header
