@@ -31,7 +31,6 @@ embedding/head copies are equal after the steps. A side that fails is a row with
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -78,15 +77,14 @@ def batch(args: argparse.Namespace) -> dict:
 class ActivationMeter:
     """Live bytes held for backward: every storage autograd saves (pack hook, weak
     references, parameters excluded) plus the stages' forward outputs still held
-    (``fwd_cache``), sampled at every save. Used alike on both sides, in the profiled step;
-    the peaks of both ranks land in ``extra["peak_activation_bytes"]`` (one per stage)."""
+    (``fwd_cache``), sampled at every save. Used alike on both sides, in the profiled step
+    (``measuring``); ``peaks()`` gathers both ranks' (one per stage)."""
 
-    def __init__(self, stages, params, extra: dict):
+    def __init__(self, stages, params):
         self.stages = stages
         self.params = {StorageWeakRef(_local(p).untyped_storage()) for p in params}
         self.saved: dict[StorageWeakRef, int] = {}
         self.peak = 0
-        self.extra = extra
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         ref = StorageWeakRef(t.untyped_storage())
@@ -107,13 +105,13 @@ class ActivationMeter:
                             live[ref] = out.untyped_storage().nbytes()
         self.peak = max(self.peak, sum(live.values()))
 
-    @contextlib.contextmanager
     def measuring(self):
-        with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
-            yield
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+    def peaks(self) -> list[int]:
         peaks: list = [None] * PP
         dist.all_gather_object(peaks, self.peak)
-        self.extra["peak_activation_bytes"] = peaks
+        return peaks
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -124,10 +122,11 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------
 # The sides: a ``Side`` whose loss_fn runs one schedule step (forward and backward of every
-# microbatch) and returns the batch's loss on every rank; ``tied`` reads the tied copies.
+# microbatch) and returns the batch's loss on every rank; ``tied`` reads the tied copies; the meter
+# measures activations in the profiled step.
 
 
-def sptransform_side(args: argparse.Namespace, compiled: bool) -> tuple[Side, Callable]:
+def sptransform_side(args: argparse.Namespace, compiled: bool) -> tuple[Side, Callable, ActivationMeter]:
     import sptransform
 
     data = batch(args)
@@ -138,7 +137,7 @@ def sptransform_side(args: argparse.Namespace, compiled: bool) -> tuple[Side, Ca
     ends = plan.starts[1:] + [plan.num_layers]
     layers = ", ".join(f"stage {i}: layers {a}-{b - 1}" for i, (a, b) in enumerate(zip(plan.starts, ends)))
     extra = {"how": f"cut found and balanced on measured cost ({layers}); tied weights synced"}
-    meter = ActivationMeter(model._stages, list(model._stages[0].submod.parameters()), extra)
+    meter = ActivationMeter(model._stages, list(model._stages[0].submod.parameters()))
 
     def tied() -> dict[str, torch.Tensor]:
         held = dict(model.named_parameters(remove_duplicate=False))
@@ -146,7 +145,7 @@ def sptransform_side(args: argparse.Namespace, compiled: bool) -> tuple[Side, Ca
 
     side = Side(side_name("sptransform", compiled), model, lambda m: m.step(**data), backward=False,
                 count_collectives=False, note="unmodified HF GPT-2", extra=extra, profiled_context=meter.measuring)
-    return side, tied
+    return side, tied, meter
 
 
 class Logits(nn.Module):
@@ -165,7 +164,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1))
 
 
-def torch_pipeline_side(args: argparse.Namespace, compiled: bool) -> tuple[Side, Callable]:
+def torch_pipeline_side(args: argparse.Namespace, compiled: bool) -> tuple[Side, Callable, ActivationMeter]:
     from torch.distributed.pipelining import SplitPoint, pipeline
     from torch.distributed.pipelining import schedules
 
@@ -181,7 +180,7 @@ def torch_pipeline_side(args: argparse.Namespace, compiled: bool) -> tuple[Side,
     schedule = getattr(schedules, TORCH_SCHEDULES[args.schedule])(stage, args.microbatches, loss_fn=causal_lm_loss)
     how = f"split by hand before {split}; tied weights copied into each stage that uses them"
     extra = {"how": how + ("; stage module under torch.compile" if compiled else "")}
-    meter = ActivationMeter([stage], list(module.parameters()), extra)
+    meter = ActivationMeter([stage], list(module.parameters()))
 
     def step(_module) -> torch.Tensor:
         losses: list[torch.Tensor] = []
@@ -202,7 +201,7 @@ def torch_pipeline_side(args: argparse.Namespace, compiled: bool) -> tuple[Side,
     side = Side(side_name("torch pipeline()", compiled), module, step, backward=False, count_collectives=False,
                 note="model wrapped to return logits, split by hand", extra=extra,
                 profiled_context=meter.measuring)
-    return side, tied
+    return side, tied, meter
 
 
 def side_name(base: str, compiled: bool) -> str:
@@ -233,12 +232,12 @@ def tied_max_difference(copies: dict[str, torch.Tensor]) -> float | None:
 
 def worker(args: argparse.Namespace) -> dict:
     reference = single_device_losses(args, batch(args), args.warmup + 1 + args.steps)
-    tied_readers: dict[str, Callable] = {}
+    readers: dict[str, tuple[Callable, ActivationMeter]] = {}
 
     def maker(build, compiled: bool):
         def make() -> Side:
-            side, tied = build(args, compiled)
-            tied_readers[side.name] = tied
+            side, tied, meter = build(args, compiled)
+            readers[side.name] = tied, meter
             return side
         make.side_name = side_name("sptransform" if build is sptransform_side else "torch pipeline()", compiled)
         return make
@@ -248,7 +247,9 @@ def worker(args: argparse.Namespace) -> dict:
     results = run_sides(makers, steps=args.steps, warmup=args.warmup, lr=1e-3, profile=True)
     for r in results:
         if "error" not in r:
-            r["tied_max_difference"] = tied_max_difference(tied_readers[r["side"]]())
+            tied, meter = readers[r["side"]]
+            r["tied_max_difference"] = tied_max_difference(tied())
+            r["peak_activation_bytes"] = meter.peaks()
     return {"args": vars(args), "single_device_loss": reference[0], "single_device_last_loss": reference[-1],
             "steps": args.warmup + 1 + args.steps, "results": results}
 

@@ -238,7 +238,7 @@ class Side:
     """Each rank's loss is its data-parallel replica's: report the mean over all ranks (the
     tensor-parallel ranks of a replica hold equal losses), i.e. the whole batch's loss."""
     profiled_context: Callable[[], Any] = contextlib.nullcontext
-    """Entered around the profiled step only (untimed): a side's own measurements."""
+    """Entered around the profiled step only (untimed), outside its profile: a side's own measurements."""
 
 
 def scalar(loss: torch.Tensor) -> float:
@@ -268,8 +268,8 @@ class Trainer:
         side, mode = self.side, self.counter if counted else None
         dist.barrier()
         start = time.perf_counter()
-        with StepProfile() if profiled else contextlib.nullcontext() as profile, \
-                side.profiled_context() if profiled else contextlib.nullcontext():
+        with side.profiled_context() if profiled else contextlib.nullcontext(), \
+                StepProfile() if profiled else contextlib.nullcontext() as profile:
             self.opt.zero_grad(set_to_none=True)
             with self.comm_debug if counted else contextlib.nullcontext(), mode or contextlib.nullcontext():
                 with side.context():
