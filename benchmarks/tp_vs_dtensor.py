@@ -38,7 +38,8 @@ collectives gloo ran, the ``wait_tensor`` and ``aten::fill_`` calls, and the pea
 ``--ops N`` also lists each side's N ops with the most self CPU time in that step.
 
 The launcher, the collective counter, the timing loop and the table are shared with
-``tp_vs_hf_auto.py``, which imports them from here.
+``tp_vs_hf_auto.py``, ``pp_vs_torch_pipeline.py`` and ``dp_tp_vs_dtensor.py``, which import them
+from here.
 """
 
 from __future__ import annotations
