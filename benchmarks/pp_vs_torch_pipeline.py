@@ -1,25 +1,31 @@
 """sptransform's pipeline split against ``torch.distributed.pipelining.pipeline()``, on HF GPT-2 (pp=2).
 
 One invocation spawns 2 ranks (gloo, CPU) and trains the same HF GPT-2 (tied
-embedding and head, dropout 0) with the same torch schedule and microbatches, two ways:
+embedding and head, dropout 0) with the same torch schedule and microbatches, two ways,
+eager and (``--compiled``) compiled:
 
 * **sptransform**: ``parallelize(model, tp=1, pp=2, schedule=..., n_microbatches=...)`` on the
   unmodified model: cut found on the graph, balanced by measured cost, the model's own
-  loss, tied weights kept in sync;
+  loss, tied weights kept in sync. Compiled: ``recompute=1.0, compile="inductor"`` (a budget
+  of the whole of what ``recompute="none"`` keeps, so nothing is recomputed; each stage's
+  partitioned forward and backward compiled by inductor);
 * **torch pipeline()**: the model wrapped to return logits (torch's schedules compute
   the loss from the last stage's output and ``target``), split by hand with
   ``split_spec={"model.transformer.h.<L/2>": SplitPoint.BEGINNING}``, one
   ``PipelineStage`` per rank from ``pipe.build_stage``, the same schedule class, and a
-  ``loss_fn`` computing HF's shifted causal-LM cross-entropy.
+  ``loss_fn`` computing HF's shifted causal-LM cross-entropy. Compiled: the stage's module
+  under ``torch.compile`` (default inductor backend).
 
-The sides alternate step by step (this box is noisy). Per side: first loss (and the
-single-device loss), last loss, median step time after warm-up, peak activation bytes
-per stage (storages autograd saved for backward plus forward outputs the stage still
-holds, sampled at every save, parameters left out), and whether the tied
-embedding/head copies are equal after the steps.
+The sides alternate step by step on one batch (``run_sides`` of ``tp_vs_dtensor.py``: each
+step's time is the slower rank's; one profiled step gives the gloo collectives (sends and
+receives here), waits, ``fill_`` and rank 0's peak memory). Per side also: peak activation
+bytes per stage in that step (storages autograd saved for backward plus forward outputs the
+stage still holds, sampled at every save, parameters left out), and whether the tied
+embedding/head copies are equal after the steps. A side that fails is a row with its error.
 
     python benchmarks/pp_vs_torch_pipeline.py [--layers 4 --hidden 256 --heads 8 --vocab 8192
-        --seq 128 --batch 8 --microbatches 4 --schedule 1f1b --steps 6 --warmup 2] [--json out.json]
+        --seq 128 --batch 8 --microbatches 4 --schedule 1f1b --steps 6 --warmup 2] [--compiled]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -27,10 +33,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
-import traceback
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -42,7 +47,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run from a checkout without installing sptransform
     sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tp_vs_dtensor import launch  # noqa: E402  (the harness lives beside this file)
+from tp_vs_dtensor import Side, launch, run_sides, summary_table  # noqa: E402  (the harness lives beside this file)
 
 PP = 2
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
@@ -58,11 +63,11 @@ def gpt2(args: argparse.Namespace) -> nn.Module:
     return transformers.GPT2LMHeadModel(config).train()
 
 
-def batches(args: argparse.Namespace) -> list[dict]:
+def batch(args: argparse.Namespace) -> dict:
+    """The one global batch every step trains on (labels drawn apart from the ids)."""
     torch.manual_seed(1)
-    return [dict(input_ids=torch.randint(0, args.vocab, (args.batch, args.seq)),
-                 labels=torch.randint(0, args.vocab, (args.batch, args.seq)))
-            for _ in range(args.warmup + args.steps)]
+    return dict(input_ids=torch.randint(0, args.vocab, (args.batch, args.seq)),
+                labels=torch.randint(0, args.vocab, (args.batch, args.seq)))
 
 
 # ---------------------------------------------------------------------------
@@ -72,7 +77,8 @@ def batches(args: argparse.Namespace) -> list[dict]:
 class ActivationMeter:
     """Live bytes held for backward: every storage autograd saves (pack hook, weak
     references, parameters excluded) plus the stages' forward outputs still held
-    (``fwd_cache``), sampled at every save. Used alike on both sides."""
+    (``fwd_cache``), sampled at every save. Used alike on both sides, in the profiled step
+    (``measuring``); ``peaks()`` gathers both ranks' (one per stage)."""
 
     def __init__(self, stages, params):
         self.stages = stages
@@ -99,9 +105,13 @@ class ActivationMeter:
                             live[ref] = out.untyped_storage().nbytes()
         self.peak = max(self.peak, sum(live.values()))
 
-    def run(self, fn):
-        with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
-            return fn()
+    def measuring(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+    def peaks(self) -> list[int]:
+        peaks: list = [None] * PP
+        dist.all_gather_object(peaks, self.peak)
+        return peaks
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -111,33 +121,31 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------
-# The two sides: each has step(batch) -> loss on every rank, stages, params, tied copies
+# The sides: a ``Side`` whose loss_fn runs one schedule step (forward and backward of every
+# microbatch) and returns the batch's loss on every rank; ``tied`` reads the tied copies; the meter
+# measures activations in the profiled step.
 
 
-class SptransformSide:
-    name = "sptransform"
+def sptransform_side(args: argparse.Namespace, compiled: bool) -> tuple[Side, Callable, ActivationMeter]:
+    import sptransform
 
-    def __init__(self, args):
-        import sptransform
+    data = batch(args)
+    how = dict(recompute=1.0, compile="inductor") if compiled else {}
+    model = sptransform.parallelize(gpt2(args), tp=1, pp=PP, schedule=args.schedule,
+                                    n_microbatches=args.microbatches, example_inputs=data, **how)
+    plan = model.pipeline_plan
+    ends = plan.starts[1:] + [plan.num_layers]
+    layers = ", ".join(f"stage {i}: layers {a}-{b - 1}" for i, (a, b) in enumerate(zip(plan.starts, ends)))
+    extra = {"how": f"cut found and balanced on measured cost ({layers}); tied weights synced"}
+    meter = ActivationMeter(model._stages, list(model._stages[0].submod.parameters()))
 
-        self.model = sptransform.parallelize(gpt2(args), tp=1, pp=PP, schedule=args.schedule,
-                                             n_microbatches=args.microbatches, example_inputs=batches(args)[0])
-        self.stages = self.model._stages
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
-        plan = self.model.pipeline_plan
-        ends = plan.starts[1:] + [plan.num_layers]
-        layers = ", ".join(f"stage {i}: layers {a}-{b - 1}" for i, (a, b) in enumerate(zip(plan.starts, ends)))
-        self.how = f"cut found and balanced on measured cost ({layers}); tied weights synced"
+    def tied() -> dict[str, torch.Tensor]:
+        held = dict(model.named_parameters(remove_duplicate=False))
+        return {t.name: held[t.name].full_tensor().detach() for t in plan.tied if t.name in held}
 
-    def step(self, batch) -> float:
-        loss = self.model.step(**batch)
-        self.opt.step()
-        self.opt.zero_grad()
-        return float(loss)
-
-    def tied_copies(self) -> dict[str, torch.Tensor]:
-        held = dict(self.model.named_parameters(remove_duplicate=False))
-        return {t.name: held[t.name].full_tensor().detach() for t in self.model.pipeline_plan.tied if t.name in held}
+    side = Side(side_name("sptransform", compiled), model, lambda m: m.step(**data), backward=False,
+                count_collectives=False, note="unmodified HF GPT-2", extra=extra, profiled_context=meter.measuring)
+    return side, tied, meter
 
 
 class Logits(nn.Module):
@@ -156,45 +164,57 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1))
 
 
-class TorchPipelineSide:
-    name = "torch pipeline()"
+def torch_pipeline_side(args: argparse.Namespace, compiled: bool) -> tuple[Side, Callable, ActivationMeter]:
+    from torch.distributed.pipelining import SplitPoint, pipeline
+    from torch.distributed.pipelining import schedules
 
-    def __init__(self, args):
-        from torch.distributed.pipelining import SplitPoint, pipeline
-        from torch.distributed.pipelining import schedules
+    data = batch(args)
+    micro = data["input_ids"][: args.batch // args.microbatches]
+    split = f"model.transformer.h.{args.layers // 2}"
+    pipe = pipeline(Logits(gpt2(args)), mb_args=(micro,), split_spec={split: SplitPoint.BEGINNING})
+    rank = dist.get_rank()
+    stage = pipe.build_stage(rank, torch.device("cpu"))
+    module = stage.submod
+    if compiled:  # the stage runs its module through ``self.submod``: compile that
+        stage.submod = torch.compile(module)
+    schedule = getattr(schedules, TORCH_SCHEDULES[args.schedule])(stage, args.microbatches, loss_fn=causal_lm_loss)
+    how = f"split by hand before {split}; tied weights copied into each stage that uses them"
+    extra = {"how": how + ("; stage module under torch.compile" if compiled else "")}
+    meter = ActivationMeter([stage], list(module.parameters()))
 
-        first = batches(args)[0]
-        micro = first["input_ids"][: args.batch // args.microbatches]
-        split = f"model.transformer.h.{args.layers // 2}"
-        pipe = pipeline(Logits(gpt2(args)), mb_args=(micro,), split_spec={split: SplitPoint.BEGINNING})
-        self.rank = dist.get_rank()
-        stage = pipe.build_stage(self.rank, torch.device("cpu"))
-        self.stages = [stage]
-        self.module = stage.submod
-        self.opt = torch.optim.AdamW(self.module.parameters(), lr=1e-3)
-        schedule_class = getattr(schedules, TORCH_SCHEDULES[args.schedule])
-        self.schedule = schedule_class(stage, args.microbatches, loss_fn=causal_lm_loss)
-        self.how = f"split by hand before {split}; tied weights copied into each stage that uses them"
-
-    def step(self, batch) -> float:
+    def step(_module) -> torch.Tensor:
         losses: list[torch.Tensor] = []
-        if self.rank == 0:
-            self.schedule.step(batch["input_ids"])
+        if rank == 0:
+            schedule.step(data["input_ids"])
         else:
-            self.schedule.step(target=batch["labels"], losses=losses)
-        self.opt.step()
-        self.opt.zero_grad()
+            schedule.step(target=data["labels"], losses=losses)
         loss = torch.stack(losses).mean().detach() if losses else torch.zeros(())
         dist.broadcast(loss, src=PP - 1)
-        return float(loss)
+        return loss
 
-    def tied_copies(self) -> dict[str, torch.Tensor]:
+    def tied() -> dict[str, torch.Tensor]:
         names = [None] * PP
-        mine = {n for n, _ in self.module.named_parameters(remove_duplicate=False)}
-        dist.all_gather_object(names, sorted(mine))
-        shared = set(names[0]) & set(names[1])
-        params = dict(self.module.named_parameters(remove_duplicate=False))
-        return {name: params[name].detach() for name in sorted(shared)}
+        dist.all_gather_object(names, sorted(n for n, _ in module.named_parameters(remove_duplicate=False)))
+        params = dict(module.named_parameters(remove_duplicate=False))
+        return {name: params[name].detach() for name in sorted(set(names[0]) & set(names[1]))}
+
+    side = Side(side_name("torch pipeline()", compiled), module, step, backward=False, count_collectives=False,
+                note="model wrapped to return logits, split by hand", extra=extra,
+                profiled_context=meter.measuring)
+    return side, tied, meter
+
+
+def side_name(base: str, compiled: bool) -> str:
+    if not compiled:
+        return base
+    return base + (' recompute=1.0 compile="inductor"' if base.startswith("sptransform") else " + torch.compile")
+
+
+def anchor(side: str) -> str | None:
+    """sptransform's rows against torch's pipeline() in the same mode (eager or compiled)."""
+    if not side.startswith("sptransform"):
+        return None
+    return side_name("torch pipeline()", "compile=" in side)
 
 
 def tied_max_difference(copies: dict[str, torch.Tensor]) -> float | None:
@@ -211,48 +231,36 @@ def tied_max_difference(copies: dict[str, torch.Tensor]) -> float | None:
 
 
 def worker(args: argparse.Namespace) -> dict:
-    data = batches(args)
-    reference = single_device_losses(args, data)
-    sides, errors = [], []
-    for make in (SptransformSide, TorchPipelineSide):
-        try:
-            sides.append(make(args))
-        except Exception as error:  # report a side that does not run instead of stopping the other
-            errors.append({"side": make.name, "error": f"{type(error).__name__}: {str(error)[:300]}"})
-            traceback.print_exc()
-    times = {s.name: [] for s in sides}
-    losses = {s.name: [] for s in sides}
-    peaks = {s.name: 0 for s in sides}
-    for i, batch in enumerate(data):
-        for side in sides:
-            meter = ActivationMeter(side.stages, list(side.stages[0].submod.parameters()))
-            dist.barrier()
-            start = time.perf_counter()
-            losses[side.name].append(meter.run(lambda: side.step(batch)))
-            elapsed = time.perf_counter() - start
-            if i >= args.warmup:
-                times[side.name].append(elapsed)
-            peaks[side.name] = max(peaks[side.name], meter.peak)
-    results = []
-    for side in sides:
-        stage_peaks: list = [None] * PP
-        dist.all_gather_object(stage_peaks, peaks[side.name])
-        results.append({
-            "side": side.name, "first_loss": losses[side.name][0], "last_loss": losses[side.name][-1],
-            "step_s": statistics.median(times[side.name]), "peak_activation_bytes": stage_peaks,
-            "tied_max_difference": tied_max_difference(side.tied_copies()), "how": side.how,
-        })
+    reference = single_device_losses(args, batch(args), args.warmup + 1 + args.steps)
+    readers: dict[str, tuple[Callable, ActivationMeter]] = {}
+
+    def maker(build, compiled: bool):
+        def make() -> Side:
+            side, tied, meter = build(args, compiled)
+            readers[side.name] = tied, meter
+            return side
+        make.side_name = side_name("sptransform" if build is sptransform_side else "torch pipeline()", compiled)
+        return make
+
+    modes = (False, True) if args.compiled else (False,)
+    makers = [maker(build, compiled) for compiled in modes for build in (sptransform_side, torch_pipeline_side)]
+    results = run_sides(makers, steps=args.steps, warmup=args.warmup, lr=1e-3, profile=True)
+    for r in results:
+        if "error" not in r:
+            tied, meter = readers[r["side"]]
+            r["tied_max_difference"] = tied_max_difference(tied())
+            r["peak_activation_bytes"] = meter.peaks()
     return {"args": vars(args), "single_device_loss": reference[0], "single_device_last_loss": reference[-1],
-            "steps": len(data), "results": results + errors}
+            "steps": args.warmup + 1 + args.steps, "results": results}
 
 
-def single_device_losses(args: argparse.Namespace, data: list[dict]) -> list[float]:
-    """The unsplit model trained on the same batches with the same optimizer: what both sides should match."""
+def single_device_losses(args: argparse.Namespace, data: dict, steps: int) -> list[float]:
+    """The unsplit model trained on the same batch with the same optimizer: what every side should match."""
     model = gpt2(args)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     losses = []
-    for batch in data:
-        loss = model(**batch, use_cache=False).loss
+    for _ in range(steps):
+        loss = model(**data, use_cache=False).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -260,21 +268,19 @@ def single_device_losses(args: argparse.Namespace, data: list[dict]) -> list[flo
     return losses
 
 
-def table(result: dict) -> str:
-    rows = [("side", "first loss", "last loss", "step (s)", "peak act. stage 0", "peak act. stage 1",
-             f"tied copies after {result['steps']} steps")]
+def pipeline_lines(result: dict) -> list[str]:
+    """Per side: peak activation bytes of each stage, the tied copies, and how it was split."""
+    out = []
     for r in result["results"]:
         if "error" in r:
-            rows.append((r["side"], "error: " + r["error"][:60], "", "", "", "", ""))
+            out.append(f"{r['side']}: FAILED: {r['error']}")
             continue
         diff = r["tied_max_difference"]
         sync = "one copy" if diff is None else ("in sync (max diff 0)" if diff == 0 else f"DIVERGED (max diff {diff:.2e})")
-        rows.append((r["side"], f"{r['first_loss']:.6f}", f"{r['last_loss']:.6f}", f"{r['step_s']:.3f}",
-                     f"{r['peak_activation_bytes'][0]:,}", f"{r['peak_activation_bytes'][1]:,}", sync))
-    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+        peaks = " / ".join(f"{b:,}" for b in r.get("peak_activation_bytes", []))
+        out.append(f"{r['side']}: peak activation bytes per stage {peaks}; tied copies after {result['steps']} "
+                   f"steps: {sync}; {r['how']}")
+    return out
 
 
 def main(argv=None) -> int:
@@ -288,19 +294,25 @@ def main(argv=None) -> int:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--schedule", choices=sorted(TORCH_SCHEDULES), default="1f1b")
     parser.add_argument("--steps", type=int, default=6, help="timed steps")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before the profiled step")
+    parser.add_argument("--compiled", action="store_true",
+                        help='also the compiled sides: sptransform recompute=1.0 compile="inductor", and torch '
+                             "pipeline() with each stage module under torch.compile")
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // PP), help="torch threads per rank")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
-    args.tp = PP  # the shared launcher spawns ``args.tp`` ranks
-    result = launch(worker, args)
+    start = time.perf_counter()
+    result = launch(worker, args, world=PP)
     print(f"HF GPT-2, {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, batch {args.batch} x seq "
-          f"{args.seq} in {args.microbatches} microbatches, pp={PP} on gloo, schedule {args.schedule}")
-    print(f"single device: first loss {result['single_device_loss']:.6f}, last loss {result['single_device_last_loss']:.6f}")
-    print(table(result))
-    for r in result["results"]:
-        if "how" in r:
-            print(f"  {r['side']}: {r['how']}")
+          f"{args.seq} in {args.microbatches} microbatches, pp={PP} on gloo, schedule {args.schedule}, AdamW, "
+          f"{args.threads} thread(s)/rank, median of {args.steps} steps after {args.warmup + 1}")
+    print("one table (each step's time is the slower rank's; collectives (gloo sends and receives), waits, fill_, "
+          "peak MiB: one profiled step of rank 0):")
+    print(summary_table(result["results"], result["single_device_loss"], anchor=anchor,
+                        reference_last=result["single_device_last_loss"]))
+    for line in pipeline_lines(result):
+        print("  " + line)
+    print(f"total {time.perf_counter() - start:.0f}s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -42,7 +42,8 @@ collectives gloo ran, the ``wait_tensor`` and ``aten::fill_`` calls, and the pea
 ``--ops N`` also lists each side's N ops with the most self CPU time in that step.
 
 The launcher, the collective counter, the timing loop and the table are shared with
-``tp_vs_hf_auto.py``, which imports them from here.
+``tp_vs_hf_auto.py``, ``pp_vs_torch_pipeline.py`` and ``dp_tp_vs_dtensor.py``, which import them
+from here.
 """
 
 from __future__ import annotations
@@ -90,24 +91,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(worker: Callable[[argparse.Namespace], dict], args: argparse.Namespace) -> dict:
-    """Run ``worker(args)`` on ``args.tp`` spawned ranks; return what rank 0 returned."""
+def launch(worker: Callable[[argparse.Namespace], dict], args: argparse.Namespace, world: int | None = None) -> dict:
+    """Run ``worker(args)`` on ``world`` spawned ranks (default ``args.tp``); return what rank 0 returned."""
+    world = world or args.tp
     with tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "result.json")
-        mp.spawn(_rank_main, args=(worker, args, free_port(), result_path), nprocs=args.tp, join=True)
+        mp.spawn(_rank_main, args=(worker, args, world, free_port(), result_path), nprocs=world, join=True)
         with open(result_path) as f:
             return json.load(f)
 
 
-def _rank_main(rank: int, worker, args: argparse.Namespace, port: int, result_path: str) -> None:
+def _rank_main(rank: int, worker, args: argparse.Namespace, world: int, port: int, result_path: str) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(args.tp), LOCAL_WORLD_SIZE=str(args.tp),
+        WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
     )
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = rank_cache_dir(rank)
     torch.set_num_threads(args.threads)
     quiet()
-    dist.init_process_group("gloo", rank=rank, world_size=args.tp, timeout=TIMEOUT)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
     try:
         result = worker(args)
         if rank == 0:
@@ -232,7 +234,16 @@ class Side:
     extra: dict = field(default_factory=dict)
     count_collectives: bool = True
     """False for compiled sides: their counted step runs outside the counting dispatch modes
-    (which would see the compiled graphs only partly); their rows show no collectives."""
+    (which would see the compiled graphs only partly); and for pipeline schedules (torch's
+    ``CommDebugMode`` fails in their stages' module hooks); their rows show no collectives but
+    the profiled step's."""
+    backward: bool = True
+    """False where ``loss_fn`` runs the backward itself (a pipeline schedule's ``step``)."""
+    loss_mean_over_ranks: bool = False
+    """Each rank's loss is its data-parallel replica's: report the mean over all ranks (the
+    tensor-parallel ranks of a replica hold equal losses), i.e. the whole batch's loss."""
+    profiled_context: Callable[[], Any] = contextlib.nullcontext
+    """Entered around the profiled step only (untimed), outside its profile: a side's own measurements."""
 
 
 def scalar(loss: torch.Tensor) -> float:
@@ -262,14 +273,16 @@ class Trainer:
         side, mode = self.side, self.counter if counted else None
         dist.barrier()
         start = time.perf_counter()
-        with StepProfile() if profiled else contextlib.nullcontext() as profile:
+        with side.profiled_context() if profiled else contextlib.nullcontext(), \
+                StepProfile() if profiled else contextlib.nullcontext() as profile:
             self.opt.zero_grad(set_to_none=True)
             with self.comm_debug if counted else contextlib.nullcontext(), mode or contextlib.nullcontext():
                 with side.context():
                     loss = side.loss_fn(side.model)
                     if mode is not None:
                         mode.phase = "backward"
-                    loss.backward()
+                    if side.backward:
+                        loss.backward()
                 if mode is not None:
                     mode.phase = "optimizer"
                     self.partial_grads = partial_grad_count(side.model)
@@ -287,10 +300,14 @@ class Trainer:
         slowest = torch.tensor(self.times, dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         times = slowest.tolist()
+        first_last = torch.tensor([self.losses[0], self.losses[-1]], dtype=torch.float64)
+        if self.side.loss_mean_over_ranks:
+            dist.all_reduce(first_last)
+            first_last /= dist.get_world_size()
         return {
             "side": self.side.name,
-            "first_loss": self.losses[0],
-            "last_loss": self.losses[-1],
+            "first_loss": float(first_last[0]),
+            "last_loss": float(first_last[1]),
             "step_s": statistics.median(times),
             "step_s_min": min(times),
             "step_s_max": max(times),
@@ -496,7 +513,7 @@ def results_table(results: list[dict]) -> str:
             continue
         c = r["collectives"]
         phases = " | ".join(_fmt_counts(c["by_phase"].get(p, {})) for p in PHASES) if c["total"]["count"] else \
-            "not counted (compiled)"
+            "not counted (compiled or pipelined)"
         rows.append([
             r["side"], f"{r['first_loss']:.6f}", f"{r['last_loss']:.6f}", f"{r['step_s']:.3f}",
             phases, str(c["total"]["count"]), f"{c['total']['bytes'] / 2**20:.2f}", f"{r['setup_s']:.1f}",
@@ -522,14 +539,20 @@ def second_anchor_of(side: str) -> str | None:
     return ("DTensor sp=True" if "sp=True" in side else "DTensor sp=False") + " per-block torch.compile"
 
 
-def summary_table(results: list[dict], reference: float) -> str:
+def summary_table(results: list[dict], reference: float, anchor: Callable[[str], str | None] = anchor_of,
+                  reference_last: float | None = None) -> str:
     """Every side in one table: losses, step time (median, min, max over the timed steps), ratio
-    to its DTensor anchor (median over median; lower is better), and per step the collectives,
-    waits, ``aten::fill_`` calls and peak memory of the profiled step."""
+    to its anchor (``anchor(side)``: by default the DTensor side of the same sp and mode; median
+    over median, lower is better; for compiled sides also to the per-block compiled DTensor side
+    when the run has one), and per step the collectives, waits, ``aten::fill_`` calls and peak
+    memory of the profiled step."""
     by = {r["side"]: r for r in results}
-    header = ["side", "first loss", "last loss", "median s", "min s", "max s", "/ anchor", "/ per-block", "collectives",
-              "waits", "fill_", "peak MiB"]
-    rows = [[f"(single device: first loss {reference:.6f})", *["" for _ in header[1:]]]]
+    anchor_of = anchor
+    per_block = any(second_anchor_of(r["side"]) in by for r in results)
+    header = ["side", "first loss", "last loss", "median s", "min s", "max s", "/ anchor",
+              *(["/ per-block"] if per_block else []), "collectives", "waits", "fill_", "peak MiB"]
+    last = "" if reference_last is None else f"{reference_last:.6f}"
+    rows = [["(single device)", f"{reference:.6f}", last, *["" for _ in header[3:]]]]
     for r in results:
         if "error" in r:
             rows.append([r["side"], "failed", *["-" for _ in header[2:]]])
@@ -541,7 +564,7 @@ def summary_table(results: list[dict], reference: float) -> str:
         p = r.get("profiled") or {}
         rows.append([
             r["side"], f"{r['first_loss']:.6f}", f"{r['last_loss']:.6f}", f"{r['step_s']:.3f}",
-            f"{r['step_s_min']:.3f}", f"{r['step_s_max']:.3f}", ratio, ratio_blocks,
+            f"{r['step_s_min']:.3f}", f"{r['step_s_max']:.3f}", ratio, *([ratio_blocks] if per_block else []),
             *(str(p.get(k, "-")) for k in ("collectives", "waits", "fills")),
             f"{p['peak_mib']:.1f}" if "peak_mib" in p else "-",
         ])
@@ -715,15 +738,16 @@ def linearize_gpt2(model: nn.Module) -> nn.Module:
     return model
 
 
-def dtensor_gpt2(model: nn.Module, tp: int, sp: bool) -> nn.Module:
-    """torchtitan-style plan on the Linear-edited GPT-2."""
+def dtensor_gpt2(model: nn.Module, tp: int, sp: bool, mesh=None) -> nn.Module:
+    """torchtitan-style plan on the Linear-edited GPT-2, over ``mesh`` (a 1-D tensor-parallel
+    mesh; default: all ranks)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
     )
 
-    mesh = init_device_mesh("cpu", (tp,))
+    mesh = init_device_mesh("cpu", (tp,)) if mesh is None else mesh
     seq = Shard(1) if sp else Replicate()
     plan: dict[str, Any] = {
         # wte's output is sequence-sharded (reduce-scatter) with sp; DTensor outputs keep the

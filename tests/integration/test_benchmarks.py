@@ -75,3 +75,22 @@ def test_compiled_sp_against_per_block_compiled_dtensor(tmp_path):
     assert abs(rows["sptransform sp=True torch.compile(pm)"]["last_loss"]
                - rows["DTensor sp=True per-block torch.compile"]["last_loss"]) <= 1e-3
     assert "sptransform sp=True torch.compile(pm) / DTensor sp=True per-block torch.compile: step time" in stdout
+
+
+@pytest.mark.slow
+def test_dp_tp_benchmark_sides_train_like_one_device(tmp_path):
+    """dp=2 x tp=2 on 4 ranks, ZeRO 0 and 3 beside DTensor's 2-D mesh with replicate and
+    fully_shard: every side's mean loss over the replicas is the single device's on the
+    concatenated batch, first and last, and the common table has its columns."""
+    result, stdout = run_benchmark("dp_tp_vs_dtensor.py", ["--warmup", "0", "--steps", "1", "--zero", "0", "3"], tmp_path,
+                                   timeout=400)
+    sides = {"sptransform dp=2 tp=2 sp=False zero=0", "DTensor tp sp=False + replicate",
+             "sptransform dp=2 tp=2 sp=False zero=3", "DTensor tp sp=False + fully_shard"}
+    assert_same_losses(result, result["single_device_loss"], sides)
+    for row in result["results"]:
+        assert row["last_loss"] == pytest.approx(result["single_device_last_loss"], rel=1e-4), row["side"]
+        assert row["profiled"]["collectives"] > 0 and row["step_s_min"] <= row["step_s"] <= row["step_s_max"]
+        assert row["last_loss"] != pytest.approx(row["first_loss"], rel=1e-4), row["side"]  # it trained
+    header = next(line for line in stdout.splitlines() if line.startswith("side ") and "/ anchor" in line)
+    for column in ("median s", "min s", "max s", "/ anchor", "collectives", "waits", "fill_", "peak MiB"):
+        assert column in header, header

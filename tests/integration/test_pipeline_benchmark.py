@@ -1,5 +1,6 @@
-"""The pipeline benchmark runs end to end at a tiny size: both sides start at the single-device
-loss, sptransform ends at it too and keeps its tied copies equal; torch's untied copies drift."""
+"""The pipeline benchmark runs end to end at a tiny size and prints the common table: both sides
+start at the single-device loss, sptransform ends at it too and keeps its tied copies equal;
+torch's untied copies drift."""
 
 import json
 import os
@@ -9,6 +10,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TABLE_COLUMNS = ("side", "first loss", "last loss", "median s", "min s", "max s", "/ anchor", "collectives", "waits",
+                 "fill_", "peak MiB")
 
 
 @pytest.mark.slow
@@ -25,10 +28,15 @@ def test_sptransform_vs_torch_pipeline(tmp_path):
     result = json.loads(out.read_text())
     rows = {r["side"]: r for r in result["results"]}
     assert set(rows) == {"sptransform", "torch pipeline()"}, rows
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("side "))
+    assert header.split("  ") and all(column in header for column in TABLE_COLUMNS), header
     for row in rows.values():
+        assert "error" not in row, row
         assert row["first_loss"] == pytest.approx(result["single_device_loss"], rel=1e-5)
-        assert row["step_s"] > 0 and all(b > 0 for b in row["peak_activation_bytes"])
+        assert row["step_s_min"] <= row["step_s"] <= row["step_s_max"] and len(row["step_s_all"]) == 2
+        assert all(b > 0 for b in row["peak_activation_bytes"])
+        assert row["profiled"]["collectives"] > 0  # the stages' sends and receives
     assert rows["sptransform"]["last_loss"] == pytest.approx(result["single_device_last_loss"], rel=1e-5)
     assert rows["sptransform"]["tied_max_difference"] == 0
     assert rows["torch pipeline()"]["tied_max_difference"] > 0
-    assert "tied copies after 3 steps" in proc.stdout
+    assert "tied copies after 4 steps" in proc.stdout
