@@ -260,6 +260,12 @@ def _gradient_reductions(gm: fx.GraphModule, build: Build) -> PassResult:
     build.plan.notes.extend(f"{n.name} runs whole on every rank: no rule splits it"
                             for n in build.propagation.gathered_ops())
     build.plan.notes.extend(build.propagation.notes.values())
+    routing = build.propagation.routing_ops()
+    if routing:
+        build.plan.notes.append(
+            f"{len(routing)} ops whose shapes depend on the data (token routing: nonzero, boolean masks, "
+            f".tolist() of counts) run whole on every rank on all the tokens, their parameters replicated: "
+            + ", ".join(n.name for n in routing[:6]) + (", ..." if len(routing) > 6 else ""))
     return PassResult(gm, False)
 
 
