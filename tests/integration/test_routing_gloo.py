@@ -5,7 +5,8 @@ originals at tp=2, with and without sequence parallelism, in float64.
 
 What is data-dependent runs whole on every rank on all the tokens (the experts and routers stay
 replicated); the rest is split: JetMoE's embedding and head, the index MoE's attention. DBRX,
-whose Python loop runs over the experts ``nonzero`` found, stays refused, naming that line.
+whose Python loop runs over the experts ``nonzero`` found, stays refused, naming that line;
+pipeline stages (pp > 1) refuse data-dependent shapes.
 
 One spawn of 2 ranks runs every case."""
 
@@ -54,6 +55,7 @@ def _worker(rank: int, world: int, port: int) -> None:
     try:
         for name, sp, bound in CASES:  # one process group for every case: spawning is the slow part
             _train_and_compare(name, sp, bound, world)
+        _pipeline_is_refused(world)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -77,6 +79,15 @@ def _train_and_compare(name: str, sp: bool, bound: float, world: int) -> None:
     train_like_reference(pm, ref, [batch] * 3, optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
                          loss_tol=close, grad_tol=close, params_tol=close, seed=100, step_after_last=False,
                          what=what)
+
+
+def _pipeline_is_refused(world: int) -> None:
+    """Pipeline stages run on static shapes: refused at parallelize, on every rank alike."""
+    import sptransform
+
+    model, batch = _model("moe_index")
+    with pytest.raises(ValueError, match=rf"pp={world}: the model's forward has shapes that depend on the data"):
+        sptransform.parallelize(model, tp=1, pp=world, example_inputs=batch)
 
 
 @pytest.mark.slow
