@@ -113,3 +113,13 @@ def test_a_loop_over_data_dependent_experts_is_refused_naming_its_line():
     assert report.status == "refused", report
     assert re.search(r"Python control flow at .*modeling_dbrx\.py, line \d+ \(for expert_idx in expert_hit:\) "
                      r"depends on the values of a tensor.*range\(num_experts\)", report.error), report.error
+
+
+def test_recompute_refuses_data_dependent_shapes():
+    """The recompute partition re-traces without a shape environment (``nonzero`` raised there on
+    real ranks): refused at parallelize instead."""
+    import sptransform
+
+    model, batch = _model("moe_index")
+    with pytest.raises(ValueError, match=r"recompute='selective': the model's forward has shapes that depend on the data"):
+        sptransform.parallelize(model, tp=1, recompute="selective", example_inputs=batch)
