@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import operator
+import os
 import re
+import traceback
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Container, Mapping
@@ -28,7 +31,7 @@ from sptransform.copying import faithful_deepcopy
 from sptransform.graph.nodes import describe
 from sptransform.torch_internals import autograd_function_class, op_schema
 from sptransform.torch_internals import (
-    FakeTensor, FakeTensorMode, OpOverload, StorageWeakRef, disable_current_modes, free_unbacked_symbols, maybe_disable_local_tensor_mode, pytree,
+    FakeTensor, FakeTensorMode, GuardOnDataDependentSymNode, OpOverload, StorageWeakRef, disable_current_modes, maybe_disable_local_tensor_mode, pytree,
     quiet_fake_tensor_meta_failures, tracing_limit_errors,
 )
 
@@ -335,7 +338,6 @@ def _capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph
             "copy.deepcopy of it), copy it with sptransform.faithful_deepcopy (which rebinds closures), or "
             "make the tensor a parameter of the model. Read:\n  " + "\n  ".join(foreign)
         )
-    _refuse_data_dependent_shapes(ep.graph_module)
     _refuse_custom_autograd_functions(functions)
     lost_draws = 0
     if _hidden_writes(ep.graph_module):
@@ -405,9 +407,28 @@ def _capture_error(template: FakeTemplate, fake_args: tuple, fake_kwargs: dict, 
             return InputsRejected(
                 f"the model raises on these inputs, as it would on one device ({_first_line(plain)}): check what "
                 "is passed (names, dtypes, shapes) against the model's forward")
+    if isinstance(err, GuardOnDataDependentSymNode):
+        return ValueError(
+            f"sptransform could not capture the model as one graph: Python control flow {_model_frame(err)} "
+            f"depends on the values of a tensor ({_first_line(err)}), e.g. a loop over the experts that "
+            "`nonzero` found, whose count changes from batch to batch. Data-dependent shapes themselves are "
+            "captured (routing with nonzero, boolean masks or .tolist() runs whole on every rank); a Python "
+            "branch or loop count that depends on them is not: loop over a fixed range (for e in "
+            "range(num_experts)) and let an expert's selection be empty; see the README's 'Limits'.")
     return ValueError(
         f"sptransform could not capture the model as one graph ({_first_line(err)}). The forward must be "
         "traceable without data-dependent control flow or graph breaks; see the README's 'Limits'.")
+
+
+def _model_frame(err: BaseException) -> str:
+    """``at model.py, line 42: code``: the innermost frame of ``err`` outside torch and sptransform
+    (the model's line that made the failing guard), or "" when every frame is theirs."""
+    ours = tuple(os.path.dirname(inspect.getfile(m)) + os.sep for m in (torch, _model_frame))
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(ours)]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return f"at {frame.filename}, line {frame.lineno} ({(frame.line or '').strip()})"
 
 
 def _template_state_of(template: FakeTemplate, value: FakeTensor) -> str | None:
@@ -487,25 +508,6 @@ def input_signature(args: tuple, kwargs: dict) -> tuple:
         else:
             key.append(("V", repr(x)))
     return (str(spec), tuple(key))
-
-
-def _refuse_data_dependent_shapes(gm: fx.GraphModule) -> None:
-    """Shapes that depend on the data (token routing with ``nonzero``, boolean masks) differ
-    from rank to rank and step to step: name every op that makes one."""
-    sites = []
-    for node in gm.graph.nodes:
-        value = node.meta.get("val")
-        if isinstance(value, torch.Tensor) and free_unbacked_symbols(value):
-            if not any(free_unbacked_symbols(a.meta.get("val")) for a in node.all_input_nodes
-                       if isinstance(a.meta.get("val"), torch.Tensor)):
-                sites.append(describe(node))
-    if sites:
-        raise ValueError(
-            "the model's forward makes tensors whose shape depends on the data (e.g. routing tokens to experts "
-            "with nonzero or a boolean mask), which sptransform cannot split; write the routing with fixed "
-            "shapes (e.g. a dense dispatch with masks or capacity-padded expert batches). Made by:\n  "
-            + "\n  ".join(sites)
-        )
 
 
 def _aliased_input(node: fx.Node) -> fx.Node | None:

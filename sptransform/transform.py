@@ -54,7 +54,7 @@ from sptransform.graph.analysis import analyze, constant_nodes, parameter_placem
 from sptransform.graph.findings import ModelAnalysis
 from sptransform.graph.lookups import constant_lookup_problems
 from sptransform.graph.gradients import GradientPlan, gradient_plan
-from sptransform.graph.nodes import shape_of
+from sptransform.graph.nodes import data_dependent, describe, shape_of
 from sptransform.graph.placement import DimShard
 from sptransform.graph.plan import ParallelGraph, ParallelPlan, ParamPlacement
 from sptransform.graph.propagate import Propagation, SequenceSplit, propagate
@@ -260,6 +260,12 @@ def _gradient_reductions(gm: fx.GraphModule, build: Build) -> PassResult:
     build.plan.notes.extend(f"{n.name} runs whole on every rank: no rule splits it"
                             for n in build.propagation.gathered_ops())
     build.plan.notes.extend(build.propagation.notes.values())
+    routing = build.propagation.routing_ops()
+    if routing:
+        build.plan.notes.append(
+            f"{len(routing)} ops whose shapes depend on the data (token routing: nonzero, boolean masks, "
+            f".tolist() of counts) run whole on every rank on all the tokens, their parameters replicated: "
+            + ", ".join(n.name for n in routing[:6]) + (", ..." if len(routing) > 6 else ""))
     return PassResult(gm, False)
 
 
@@ -360,6 +366,14 @@ def build_parallel_graph(
         # evaluated as plain tensors of one rank, too
         problems = constant_lookup_problems(captured.gm, dict(zip(captured.state_placeholders, captured.state_names)))
     captured_s = time.perf_counter() - start
+    routed = [n for n in captured.gm.graph.nodes if data_dependent(n)]
+    if routed and options.remat is not None:
+        # AOTAutograd's partition re-traces the graph with fake tensors of no shape environment,
+        # where ``nonzero`` raises DynamicOutputShapeException (found on real ranks).
+        raise ValueError(
+            f"recompute={options.recompute!r}: the model's forward has shapes that depend on the data "
+            f"({len(routed)} ops, first {describe(routed[0])}), which the recompute partition cannot trace yet: "
+            "use recompute='none' (tp, sp and dp run such graphs, the routing whole on every rank)")
     if problems:  # one device raises IndexError('index out of range in self') inside the model
         raise IndexError(
             "these inputs make the model index past the end of a table: " + "; ".join(problems) + ". On one "

@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 
 from sptransform.torch_internals import op_qualified_name, op_schema
-from sptransform.torch_internals import OpOverload, run_and_save_rng_state, run_with_rng_state
+from sptransform.torch_internals import OpOverload, free_unbacked_symbols, run_and_save_rng_state, run_with_rng_state
 
 aten = torch.ops.aten
 
@@ -100,6 +100,16 @@ def is_tangent(node: fx.Node) -> bool:
 
 def val(node) -> object:
     return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def data_dependent(node) -> bool:
+    """Whether ``node`` makes or reads a value whose shape (or an integer) depends on the data:
+    an unbacked symbol (``u0``) of ``nonzero``, a boolean mask, ``.tolist()`` of routing counts.
+    Such a value has no static size to split, and differs from rank to rank if computed from
+    each rank's part of the tokens."""
+    if not isinstance(node, fx.Node):
+        return False
+    return any(free_unbacked_symbols(val(n)) for n in (node, *node.all_input_nodes))
 
 
 def tensor_val(node) -> torch.Tensor | None:

@@ -25,7 +25,7 @@ from typing import Container
 import torch
 import torch.fx as fx
 
-from sptransform.graph.nodes import describe, shape_of
+from sptransform.graph.nodes import data_dependent, describe, shape_of
 from sptransform.graph.placement import PARTIAL, REPLICATED, DimShard, whole
 from sptransform.graph.rules import Decision, RuleContext, ShardingError, forward_rule, gather_all, tensor_inputs
 
@@ -89,6 +89,10 @@ class Propagation:
         """Ops that run whole on every rank because no rule could split them (rule 4), though
         an input was split or partial: correct, but their inputs are gathered."""
         return [n for n, s in self.source.items() if s == "gather"]
+
+    def routing_ops(self) -> list[fx.Node]:
+        """Ops computed whole because their shapes depend on the data (``graph.nodes.data_dependent``)."""
+        return [n for n, s in self.source.items() if s == "routing"]
 
 
 def move_kind(have, want) -> str:
@@ -182,6 +186,12 @@ def _output_placement(node: fx.Node, placement, keep: bool = False):
 
 
 def _decide(node: fx.Node, result: Propagation, ctx: RuleContext, constant, sequence) -> Decision:
+    if data_dependent(node):
+        # Routing with data-dependent shapes (``nonzero``, a boolean mask, ``.tolist()`` of counts):
+        # computed whole from whole inputs, so every rank routes every token alike (tokens split
+        # by SP are gathered first, partial sums reduced) and no size of it is ever split.
+        decision = gather_all(node, tensor_inputs(node))
+        return Decision(decision.needs, decision.output, "routing")
     placement_of = result.as_read
     decision = forward_rule(node, placement_of, ctx)
     if decision is not None:

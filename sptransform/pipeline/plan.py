@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from sptransform.graph.analysis import analyze, find_loss_output
+from sptransform.graph.nodes import data_dependent, describe
 from sptransform.capture import FakeTemplate, capture
 from sptransform.graph.plan import ParallelGraph
 from sptransform.passes.pipeline_split import GraphFlow, LayerBoundary, StageGraph, balance_layers, find_stage_cuts, split_graph
@@ -63,6 +64,14 @@ def plan_pipeline(graph: ParallelGraph, template: FakeTemplate, args: tuple, kwa
                   options: PipelineOptions) -> PipelinePlan:
     """Boundaries, costs, balance and split of ``graph`` (captured on one microbatch)."""
     captured = graph.captured
+    routed = [n for n in captured.gm.graph.nodes if data_dependent(n)]
+    if routed:
+        # Stage graphs are split and run by torch's pipelining on static shapes; a size known
+        # only at run time meets a guard there (a crash, on some ranks): refused here instead.
+        raise ValueError(
+            f"pp={options.pp}: the model's forward has shapes that depend on the data ({len(routed)} ops, first "
+            f"{describe(routed[0])}); pipeline stages do not run such graphs yet: use pp=1 (tp, sp and dp "
+            "run them, the data-dependent routing whole on every rank)")
     analysis = graph.model_analysis()
     flow = GraphFlow(captured, find_loss_output(captured, analysis))
     num_stages = options.num_stages

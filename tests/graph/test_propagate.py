@@ -352,3 +352,30 @@ def test_a_wrong_foreign_rule_is_caught_by_running_it(monkeypatch):
     monkeypatch.setattr(dtensor_args, "_nonnegative_dims", lambda node, op, args, kwargs: (args, kwargs))
     monkeypatch.setattr(dtensor_propagate, "_PROPAGATE_CACHE", {})
     assert dtensor_forward(node, {x: whole(2, 16)}, 2) is None
+
+
+class MaskRouted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x):  # x: [16, 8], split by rows (tokens)
+        h = self.w(x)
+        kept = h[h[:, 0] > 0]  # [u0, 8]: how many rows depends on the data
+        return kept.sum(0)
+
+
+def test_data_dependent_ops_run_whole_on_gathered_tokens():
+    captured, _ = _graph(MaskRouted(), torch.randn(16, 8))
+    gm = captured.gm
+    (x,) = captured.user_placeholders
+    prop = propagate(gm, {x: whole(0, 16)}, tp=2, constant=set(), sequence=None)
+    routed = _node(gm, aten.index)
+    assert prop.source[routed] == "routing" and routed in prop.routing_ops()
+    assert prop.placement[routed] == REPLICATED
+    assert set(prop.reads[routed].values()) == {REPLICATED}  # both the rows and the mask whole
+    linear = _node(gm, aten.linear)
+    assert prop.placement[linear] == whole(0, 16)  # before the routing the tokens stay split
+    assert ("all_gather", linear.name) in _moves(prop)
+    # every op that reads the unbacked size (the sum over the kept rows) runs whole too
+    assert prop.placement[_node(gm, aten.sum)] == REPLICATED

@@ -42,12 +42,16 @@ CASES = [  # (model type, experts implementation, sequence parallel)
     # both stored layouts with and without SP; the other two families under SP only (CI time)
     *((family, "batched_mm", sp) for family in ("mixtral", "gpt_oss") for sp in (True, False)),
     *((family, "batched_mm", True) for family in ("qwen2_moe", "olmoe")),
+    # Llama 4 runs every expert on tokens laid out [E, T, H]: bmm's batch dim is the experts'
+    ("llama4_text", "own bmm", True),
 ]
 
 
 def _model(family: str, experts: str):
     classes = {entry["model_type"]: entry["class"] for entry in sweep.families([family])}
     model, _, _ = sweep.build(family, classes[family], sweep.Target(layers=1))  # one layer: the MoE block is the subject
+    if experts == "own bmm":  # the model's own experts: a bmm with the experts as its batch dim
+        return model.double()
     assert model.config._experts_implementation == "grouped_mm", model.config._experts_implementation
     if experts != "grouped_mm":
         model.set_experts_implementation(experts)

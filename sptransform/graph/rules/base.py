@@ -35,7 +35,7 @@ class Decision:
     output: object
     """The output's placement (a tuple for ops with several outputs)."""
     source: str = "ours"
-    """Which rule decided: ``replicated``, ``ours``, ``dtensor`` or ``gather``."""
+    """Which rule decided: ``replicated``, ``ours``, ``dtensor``, ``gather`` or ``routing`` (data-dependent shapes, whole)."""
     note: str | None = None
     """Something the user should know about this decision (a DTensor rule that could not be
     checked by running it), shown by ``explain()``."""
