@@ -386,7 +386,10 @@ def run_sides(makers: list[Callable[[], Side]], *, steps: int, warmup: int, lr: 
     so that load from elsewhere on the machine falls on all sides alike. Steps: ``warmup``
     untimed, one counted (untimed), ``steps`` timed. A side that fails (the same way on
     every rank) becomes a row with its reason and leaves the rotation. With ``profile`` the
-    counted step is also profiled (``StepProfile``)."""
+    step after warm-up is profiled (``StepProfile``) and, when there is a warm-up step, the
+    collectives are counted on the step before it: the counting dispatch modes change what they
+    count (under a mode, a waited ``AsyncCollectiveTensor`` runs ``wait_tensor`` three times), so
+    the profiled step runs without them."""
     rows: list[dict | Trainer] = []
     for make in makers:
         name = getattr(make, "side_name", make.__name__)
@@ -399,11 +402,12 @@ def run_sides(makers: list[Callable[[], Side]], *, steps: int, warmup: int, lr: 
             rows.append({"side": name, "error": _error(err)})
         log(f"[{name}] built in {time.perf_counter() - start:.1f}s")
         dist.barrier()
+    counted_at = warmup - 1 if profile and warmup >= 1 else warmup
     for i in range(warmup + 1 + steps):
         for k, row in enumerate(rows):
             if isinstance(row, Trainer):
                 try:
-                    row.step(counted=i == warmup, timed=i > warmup, profiled=profile and i == warmup)
+                    row.step(counted=i == counted_at, timed=i > warmup, profiled=profile and i == warmup)
                 except Exception as err:
                     rows[k] = {"side": row.side.name, "error": _error(err)}
     results = []

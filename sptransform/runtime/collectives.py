@@ -45,10 +45,10 @@ def _resolve(group: str) -> torch.distributed.ProcessGroup:
 
 
 def _all_reduce(x: torch.Tensor, group: str, op: str = "sum") -> torch.Tensor:
-    return _waited(funcol.all_reduce(x.contiguous(), op, group))
+    return waited(funcol.all_reduce(x.contiguous(), op, group))
 
 
-def _waited(out: torch.Tensor) -> torch.Tensor:
+def waited(out: torch.Tensor) -> torch.Tensor:
     """A functional collective's result, waited on once. Eagerly it is torch's
     ``AsyncCollectiveTensor``, waited here; traced (``torch.compile``, AOTAutograd) funcol has
     already put the ``wait_tensor`` node after the collective, and a second one would be a second
@@ -127,11 +127,11 @@ def _unflatten(flat: torch.Tensor, shapes) -> list[torch.Tensor]:
 
 
 def _all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
-    return _waited(funcol.all_gather_single(x.contiguous(), dim, group))
+    return waited(funcol.all_gather_single(x.contiguous(), dim, group))
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
-    return _waited(funcol.reduce_scatter_single(x.contiguous(), "sum", dim, group))
+    return waited(funcol.reduce_scatter_single(x.contiguous(), "sum", dim, group))
 
 
 def _reduce_scatter_later(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:

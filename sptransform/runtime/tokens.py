@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from sptransform.runtime.collectives import waited
 from sptransform.torch_internals import funcol
 
 
@@ -41,6 +42,6 @@ def weight_by_tokens(loss: torch.Tensor, target: torch.Tensor, ignore_index: int
     gradient is weighted by this replica's share of the tokens of the ``size`` replicas of
     ``group`` (module docstring)."""
     count = (target != ignore_index).sum().to(torch.float64).reshape(1)
-    total = funcol.wait_tensor(funcol.all_reduce(count, "sum", group))
+    total = waited(funcol.all_reduce(count, "sum", group))  # one wait (collectives.waited)
     weight = (count * size / total.clamp(min=1)).reshape(())
     return _ScaleGradient.apply(loss, weight)
