@@ -386,10 +386,10 @@ def run_sides(makers: list[Callable[[], Side]], *, steps: int, warmup: int, lr: 
     so that load from elsewhere on the machine falls on all sides alike. Steps: ``warmup``
     untimed, one counted (untimed), ``steps`` timed. A side that fails (the same way on
     every rank) becomes a row with its reason and leaves the rotation. With ``profile`` the
-    step after warm-up is profiled (``StepProfile``) and, when there is a warm-up step, the
-    collectives are counted on the step before it: the counting dispatch modes change what they
-    count (under a mode, a waited ``AsyncCollectiveTensor`` runs ``wait_tensor`` three times), so
-    the profiled step runs without them."""
+    step after warm-up is profiled (``StepProfile``) and the collectives are counted on the step
+    before it: the counting dispatch modes change what the profile sees (under a mode, a waited
+    ``AsyncCollectiveTensor`` runs ``wait_tensor`` three times), so the profiled step runs
+    without them. With no warm-up step both share the step after it (waits counted as inflated)."""
     rows: list[dict | Trainer] = []
     for make in makers:
         name = getattr(make, "side_name", make.__name__)

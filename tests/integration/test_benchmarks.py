@@ -82,7 +82,7 @@ def test_dp_tp_benchmark_sides_train_like_one_device(tmp_path):
     """dp=2 x tp=2 on 4 ranks, ZeRO 0 and 3 beside DTensor's 2-D mesh with replicate and
     fully_shard: every side's mean loss over the replicas is the single device's on the
     concatenated batch, first and last, and the common table has its columns."""
-    result, stdout = run_benchmark("dp_tp_vs_dtensor.py", ["--warmup", "0", "--steps", "1", "--zero", "0", "3"], tmp_path,
+    result, stdout = run_benchmark("dp_tp_vs_dtensor.py", ["--warmup", "1", "--steps", "1", "--zero", "0", "3"], tmp_path,
                                    timeout=400)
     sides = {"sptransform dp=2 tp=2 sp=False zero=0", "DTensor tp sp=False + replicate",
              "sptransform dp=2 tp=2 sp=False zero=3", "DTensor tp sp=False + fully_shard"}
