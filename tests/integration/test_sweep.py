@@ -204,8 +204,15 @@ def test_update_rows_replaces_the_families_a_later_sweep_ran_and_recounts_the_to
     assert "| f | FCausalLM |" in text and "| d | DCausalLM | sdpa |  | fails |  |  | ValueError: needs pixel_values |" in text
     assert "* **tried: 4**" in text and "* **tp=2+SP**: equal 3, refused 0, wrong 0" in text
     assert "Rows of 2 families (c, f) are from a later run" in text and "2026-02-02" in text
-    with pytest.raises(SystemExit, match="updated before"):
-        sweep.main(["--update-rows", str(tmp_path / "later.json"), "--out", str(doc)])
+    # a second update keeps the first one's sentence beside its own (and its rows)
+    again = [dict(results[0], model_type="g", **{"class": "GCausalLM"})]
+    (tmp_path / "again.json").write_text(json.dumps({"results": again, "meta": dict(
+        meta, when="2026-03-03", engine="real gloo processes, float32")}))
+    sweep.main(["--update-rows", str(tmp_path / "again.json"), "--out", str(doc)])
+    text = doc.read_text()
+    assert "Rows of 2 families (c, f) are from a later run" in text and "2026-02-02" in text
+    assert "Rows of 1 families (g) are from a later run" in text and "on real gloo processes, float32" in text
+    assert "| f | FCausalLM |" in text and "| g | GCausalLM |" in text and "* **tried: 5**" in text
 
 
 def test_pipeline_and_recompute_columns_run_on_real_ranks_and_render(monkeypatch, tmp_path):
