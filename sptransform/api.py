@@ -90,7 +90,8 @@ def parallelize(
     ``loss = model.step(*inputs, **kwargs)`` on a ``pp x tp`` mesh (a ``PipelinedModule``).
     ``example_inputs`` is then a global batch, labels included; it is split into
     ``n_microbatches`` (default 1) along dim 0. ``schedule``: ``"gpipe"``, ``"1f1b"``
-    (default), ``"interleaved1f1b"``, ``"looped_bfs"`` or ``"zbv"``.
+    (default), ``"interleaved1f1b"``, ``"looped_bfs"``, ``"zbv"`` or ``"dualpipev"`` (DeepSeek-V3's:
+    2 stages per rank in a V, at least ``2 * pp`` microbatches).
     ``stored_microbatches=k`` with a ``recompute`` policy is the paper's microbatch-level
     recomputation (its Appendix C): each stage keeps every activation of up to ``k``
     in-flight microbatches (a moving window) and runs the policy on the others. With

@@ -23,9 +23,10 @@ RematPolicy = Literal["none", "selective", "full", "norm_upproj", "budget", "blo
 REMAT_POLICIES: tuple[RematPolicy, ...] = get_args(RematPolicy)
 BlockKind = Literal["attention", "mlp"]
 
-ScheduleName = Literal["gpipe", "1f1b", "interleaved1f1b", "looped_bfs", "zbv"]
+ScheduleName = Literal["gpipe", "1f1b", "interleaved1f1b", "looped_bfs", "zbv", "dualpipev"]
 SCHEDULE_NAMES: tuple[ScheduleName, ...] = get_args(ScheduleName)
-DEFAULT_STAGES_PER_RANK: dict[str, int] = {"gpipe": 1, "1f1b": 1, "interleaved1f1b": 2, "looped_bfs": 2, "zbv": 2}
+DEFAULT_STAGES_PER_RANK: dict[str, int] = {"gpipe": 1, "1f1b": 1, "interleaved1f1b": 2, "looped_bfs": 2, "zbv": 2,
+                                             "dualpipev": 2}
 """Stages each rank holds when ``stages_per_rank`` is not given: one, or two for the
 schedules that run several stages per rank."""
 
@@ -234,11 +235,16 @@ class PipelineOptions:
                        fix="the in-flight microbatches whose activations are all kept (0: recompute every one)")
         if self.stages_per_rank is not None:
             _check_int("stages_per_rank", self.stages_per_rank, minimum=1,
-                       fix="pipeline stages per rank (1, or 2 for interleaved1f1b/looped_bfs/zbv)")
+                       fix="pipeline stages per rank (1, or 2 for interleaved1f1b/looped_bfs/zbv/dualpipev)")
         if not isinstance(self.schedule, str):
             raise TypeError(f"schedule must be a name, got {self.schedule!r}; use one of {', '.join(SCHEDULE_NAMES)}")
         if str(self.schedule).lower() not in SCHEDULE_NAMES:
             raise ValueError(f"schedule={self.schedule!r} is not one sptransform runs; use one of {', '.join(SCHEDULE_NAMES)}")
+        if str(self.schedule).lower() == "dualpipev" and self.n_microbatches < self.num_stages:
+            raise ValueError(
+                f"schedule='dualpipev' needs at least as many microbatches as stages: n_microbatches="
+                f"{self.n_microbatches} < {self.num_stages} stages (pp={self.pp} x {self.virtual} per rank); "
+                f"use n_microbatches={self.num_stages} or more")
 
     @property
     def virtual(self) -> int:

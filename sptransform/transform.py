@@ -327,7 +327,8 @@ def _weight_tokens(gm: fx.GraphModule, build: Build) -> int:
 # fields and ``node.meta`` keys (``passes.base``); ``enabled`` says for which options a pass runs.
 PASSES: list[Pass] = [
     Pass("remove_dead_code", lambda gm, b: _changed(gm, remove_dead_code(gm)), enabled=_tensor_parallel),
-    Pass("functional_copies", lambda gm, b: _changed(gm, functional_copies(gm)), enabled=_tensor_parallel),
+    # every tp: the graph runs under autograd (tp=1 with dp or pp too), and copy has no formula
+    Pass("functional_copies", lambda gm, b: _changed(gm, functional_copies(gm))),
     Pass("narrow_as_slice", lambda gm, b: _changed(gm, narrow_as_slice(gm)), enabled=_tensor_parallel),
     Pass("repeat_grouped_kv", lambda gm, b: _changed(gm, repeat_grouped_kv(gm, tp=b.options.tp)),
          enabled=_tensor_parallel),

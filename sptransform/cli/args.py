@@ -37,7 +37,7 @@ pipeline ranks, microbatches and stages per rank each, and pp x stages-per-rank 
 interleaved1f1b/looped_bfs/zbv, whose order torch's schedule code builds (its cost grows faster).
 At these limits a call takes a few seconds on one CPU core."""
 
-TORCH_BUILT_SCHEDULES = ("interleaved1f1b", "looped_bfs", "zbv")
+TORCH_BUILT_SCHEDULES = ("interleaved1f1b", "looped_bfs", "zbv", "dualpipev")
 
 PLOT_LIMIT = 1024
 """``schedule -o`` draws at most this many stage-microbatches (pp x stages-per-rank x microbatches)..."""

@@ -3,6 +3,9 @@
     before:  v = view(h, [2, 4, 2, 8])                  # h split along dim 2 over tp=2
     after:   v = view(h, [2, 4, 1, 8])                  # meta["sptransform_spec"]: the split
 
+    before:  y = conv1d(x, w, b, 1, [3], 1, 8)         # depthwise: groups = channels = 8, split over tp=2
+    after:   y = conv1d(x, w, b, 1, [3], 1, 4)         # x, w, b: this rank's 4 channels
+
     before:  a, b = split(h, 8, 2)                      # h: [q|k], each piece split over tp=2
     after:   a, b = split_with_sizes(h, [4, 4], 2)
 
@@ -17,7 +20,7 @@ import torch.fx as fx
 
 from sptransform.graph.placement import DimShard
 from sptransform.graph.nodes import packet, shape_of
-from sptransform.graph.rules import split_dim, split_output_specs
+from sptransform.graph.rules import GROUPS_ARG, is_depthwise, split_dim, split_output_specs
 
 aten = torch.ops.aten
 
@@ -46,6 +49,17 @@ def localize(node: fx.Node, spec: DimShard | None, tp: int) -> None:
         args = list(node.args)
         args[index] = local_shape(node, spec, tp)
         node.args = tuple(args)
+    elif p in GROUPS_ARG and spec.dim == 1 and is_depthwise(node):  # one group per local channel
+        index = GROUPS_ARG[p]
+        args = list(node.args) + [None] * (index + 1 - len(node.args))
+        if len(node.args) <= index and "groups" in node.kwargs:
+            node.kwargs = {**node.kwargs, "groups": spec.local_size(tp)}
+        else:
+            defaults = {3: 1, 4: 0, 5: 1}  # stride, padding, dilation of conv1d/2d/3d
+            for i in range(len(node.args), index):
+                args[i] = defaults[i]
+            args[index] = spec.local_size(tp)
+            node.args = tuple(args)
     elif p is aten.unflatten:
         x, dim, sizes = node.args[:3]
         dim = dim % len(shape_of(x))

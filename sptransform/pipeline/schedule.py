@@ -56,6 +56,10 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         ScheduleSpec("looped_bfs", torch_schedules.ScheduleLoopedBFS, True, "loop", None,
                      DEFAULT_STAGES_PER_RANK["looped_bfs"], False),
         ScheduleSpec("zbv", torch_schedules.ScheduleZBVZeroBubble, True, "v", (2,), DEFAULT_STAGES_PER_RANK["zbv"], True),
+        # DeepSeek-V3's schedule (V placement, 2 stages per rank, at least 2 * pp microbatches):
+        # torch's runtime runs each overlapped forward/backward pair one after the other
+        ScheduleSpec("dualpipev", torch_schedules.ScheduleDualPipeV, True, "v", (2,),
+                     DEFAULT_STAGES_PER_RANK["dualpipev"], True),
     )
 }
 
@@ -98,11 +102,22 @@ def pipeline_order(spec: ScheduleSpec, pp: int, stages_per_rank: int, n_microbat
         single = _gpipe_order if spec.name == "gpipe" else _one_f_one_b_order
         return [single(rank, pp, n_microbatches) for rank in range(pp)]
     ops = get_schedule_ops(spec.torch_class, pp, n_microbatches, stages_per_rank)
-    return [
-        [Action(a.stage_index, a.computation_type.value, a.microbatch_index)
-         for a in rank if a is not None and a.computation_type.value in "FBIW" and a.microbatch_index is not None]
-        for rank in ops
-    ]
+    return [[Action(a.stage_index, a.computation_type.value, a.microbatch_index) for a in _computations(rank)]
+            for rank in ops]
+
+
+def _computations(actions) -> list:
+    """A rank's forward and backward actions in order; DualPipeV's overlapped pair (``OVERLAP_F_B``)
+    is its two actions, which torch's runtime runs one after the other."""
+    found = []
+    for a in actions:
+        if a is None:
+            continue
+        if getattr(a, "sub_actions", None):
+            found.extend(_computations(a.sub_actions))
+        elif a.computation_type.value in ("F", "B", "I", "W") and a.microbatch_index is not None:
+            found.append(a)
+    return found
 
 
 def _gpipe_order(stage: int, num_stages: int, n: int) -> list[Action]:

@@ -125,6 +125,34 @@ def test_max_dim_keeps_a_split_of_the_dims_it_does_not_reduce_and_max_other_is_e
     assert _forward(op, {x: whole(1, 4)}).output == whole(1, 4)
 
 
+def test_a_depthwise_convolution_keeps_a_channel_split_and_one_that_mixes_channels_does_not():
+    """LFM2's short-convolution block (and Mamba's, Qwen3-Next's gated delta-net) convolves each
+    channel over the sequence on its own (``groups == channels``): a channel split passes through
+    with the filters and bias split alike, ``groups`` localized, and the local op computes the
+    local channels exactly. A convolution that mixes channels contracts them: its channel split
+    is gathered; the window dim is never split."""
+    from sptransform.passes.localize import localize
+
+    x, w, b = torch.randn(2, 8, 6), torch.randn(8, 1, 3), torch.randn(8)
+    gm = _graph(lambda x, w, b: aten.conv1d.default(x, w, b, [1], [2], [1], 8), x, w, b)
+    (xn, wn, bn), op = _inputs(gm), _op(gm, aten.conv1d)
+    decision = _forward(op, {xn: whole(1, 8)})
+    assert decision.output == whole(1, 8)
+    assert decision.needs == {xn: whole(1, 8), wn: whole(0, 8), bn: whole(0, 8)}  # filters and bias cut alike
+    assert _backward(op, whole(1, 8)) == {xn: whole(1, 8), wn: whole(0, 8), bn: whole(0, 8)}
+    assert _forward(op, {xn: whole(2, 6)}).output == REPLICATED  # the window dim: gathered
+    localize(op, whole(1, 8), 2)
+    assert op.args[6] == 4
+    full = torch.nn.functional.conv1d(x, w, b, padding=2, groups=8)
+    local = op.target(x[:, 4:], w[4:], b[4:], *op.args[3:])  # rank 1's channels
+    torch.testing.assert_close(local, full[:, 4:], rtol=0, atol=0)
+
+    gm = _graph(lambda x, w: aten.conv1d.default(x, w, None, [1], [1], [1], 2), x, torch.randn(8, 4, 3))
+    (xn, wn), op = _inputs(gm), _op(gm, aten.conv1d)
+    assert _forward(op, {xn: whole(1, 8)}).output == REPLICATED  # 2 groups of 4 channels mix them
+    assert _forward(op, {xn: whole(0, 2)}).output == whole(0, 2)  # the batch split passes
+
+
 def test_softmax_may_not_be_split_along_the_dim_it_normalizes():
     gm = _graph(lambda x: aten._softmax.default(x, -1, False), torch.randn(4, 8))
     (x,), softmax = _inputs(gm), _op(gm, aten._softmax)

@@ -44,12 +44,18 @@ CASES = [  # (model type, experts implementation, sequence parallel)
     *((family, "batched_mm", True) for family in ("qwen2_moe", "olmoe")),
     # Llama 4 runs every expert on tokens laid out [E, T, H]: bmm's batch dim is the experts'
     ("llama4_text", "own bmm", True),
+    # LFM2-MoE: a short-convolution block (in_proj in 3 chunks, depthwise conv1d over the sequence,
+    # out_proj) split by channels, then the MoE layer
+    ("lfm2_moe", "batched_mm", True),
 ]
+LAYERS = {"lfm2_moe": 2}
+"""Layers of the families whose first layer is not the MoE block (default one)."""
 
 
 def _model(family: str, experts: str):
     classes = {entry["model_type"]: entry["class"] for entry in sweep.families([family])}
-    model, _, _ = sweep.build(family, classes[family], sweep.Target(layers=1))  # one layer: the MoE block is the subject
+    target = sweep.Target(layers=LAYERS.get(family, 1))  # one layer: the MoE block is the subject
+    model, _, _ = sweep.build(family, classes[family], target)
     if experts == "own bmm":  # the model's own experts: a bmm with the experts as its batch dim
         return model.double()
     assert model.config._experts_implementation == "grouped_mm", model.config._experts_implementation
@@ -83,7 +89,6 @@ def _train_and_compare(family: str, experts: str, sp: bool, world: int) -> None:
         print(f"{what}each rank holds {pm.held_share():.3f} of the parameter bytes")
     assert pm.held_share() <= BOUND, f"{what}each rank holds {pm.held_share():.3f} of the parameter bytes\n{pm.explain()}"
     # (rtol, atol); in float64 still not 1e-12: HF computes the loss from float32 logits, and the
-    # routers' softmax in float32
     # routers' softmax in float32. The parameters after AdamW steps as loose as in float32: a
     # gradient near zero moves its parameter by up to lr / eps = 1e5 times its rounding.
     close = (1e-4, 1e-5) if experts == "grouped_mm" else (1e-5, 1e-6)

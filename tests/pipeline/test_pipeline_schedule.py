@@ -20,17 +20,31 @@ def test_every_stage_runs_every_microbatch_forward_and_backward_once(name, pp, n
     v = spec.default_stages_per_rank
     if name == "interleaved1f1b" and n % max(1, n // pp):
         pytest.skip("torch's interleaved rounds")
+    if name == "dualpipev" and n < pp * v:
+        pytest.skip("DualPipeV needs a microbatch per stage (refused by PipelineOptions)")
     order = pipeline_order(spec, pp, v, n)
     ranks = stage_ranks(spec, pp, v)
     counts = Counter((a.stage, a.kind, a.microbatch) for rank, actions in enumerate(order) for a in actions)
     for rank, actions in enumerate(order):
         assert all(ranks[a.stage] == rank for a in actions)
-    backward = ("I", "W") if any(k == "W" for _, k, _ in counts) else ("B",)
     for stage in range(pp * v):
-        for m in range(n):
+        for m in range(n):  # one full backward, or its input- and weight-gradient halves (zero bubble)
+            backward = ("B",) if counts[(stage, "B", m)] else ("I", "W")
             for kind in ("F", *backward):
                 assert counts[(stage, kind, m)] == 1, (stage, kind, m)
     simulate(order, pp * v)  # no deadlock
+
+
+def test_dualpipev_runs_both_halves_of_its_overlapped_pairs_and_needs_a_microbatch_per_stage():
+    """DeepSeek-V3's schedule pairs one microbatch's forward with another's backward
+    (``OVERLAP_F_B``); the order lists both, as torch's runtime runs them."""
+    from sptransform.options import PipelineOptions
+
+    order = pipeline_order(schedule_spec("dualpipev"), 2, 2, 4)
+    assert sum(len(actions) for actions in order) > 2 * 2 * 4 * 2  # every F and B (some split in I and W)
+    assert stage_ranks(schedule_spec("dualpipev"), 2, 2) == [0, 1, 1, 0]
+    with pytest.raises(ValueError, match="n_microbatches=2 < 4 stages"):
+        PipelineOptions(pp=2, schedule="dualpipev", n_microbatches=2)
 
 
 def test_v_placement_puts_first_and_last_stage_on_rank_0():

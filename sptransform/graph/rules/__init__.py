@@ -14,13 +14,14 @@ from sptransform.graph.rules.geometry import (
     SPLIT_PACKETS, is_getitem, is_split, local_slice_bounds, reshape_spec, slice_bounds, slice_output_spec,
     slices_input_spec, split_chunks, split_dim, split_input_spec, split_output_specs, view_groups,
 )
+from sptransform.graph.rules.links import GROUPS_ARG, is_depthwise
 from sptransform.graph.rules.registry import (
     RULES, forward_rule, gather_all, input_specs_for_output, reduces_into_alike_outputs, rule_for,
 )
 
 __all__ = [
-    "CUT", "Decision", "OpRule", "RULES", "RuleContext", "SPLIT_PACKETS", "ShardingError", "forward_rule",
-    "gather_all", "input_specs_for_output", "is_getitem", "reduces_into_alike_outputs", "is_split", "local_slice_bounds", "reshape_spec",
+    "CUT", "Decision", "GROUPS_ARG", "OpRule", "RULES", "RuleContext", "SPLIT_PACKETS", "ShardingError", "forward_rule",
+    "gather_all", "input_specs_for_output", "is_depthwise", "is_getitem", "reduces_into_alike_outputs", "is_split", "local_slice_bounds", "reshape_spec",
     "rule_for", "slice_bounds", "slice_output_spec", "slices_input_spec", "split_chunks", "split_dim",
     "split_input_spec", "split_output_specs", "tensor_inputs", "view_groups",
 ]

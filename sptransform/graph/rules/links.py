@@ -206,6 +206,44 @@ def index_links(node: fx.Node) -> tuple[Links, set[int]]:
     return links, set()
 
 
+CONVOLUTIONS = frozenset({aten.conv1d, aten.conv2d, aten.conv3d, aten.convolution})
+GROUPS_ARG = {aten.conv1d: 6, aten.conv2d: 6, aten.conv3d: 6, aten.convolution: 8}
+"""Where each convolution takes ``groups`` (``convolution``'s args: input, weight, bias, stride,
+padding, dilation, transposed, output_padding, groups)."""
+
+
+def conv_groups(node: fx.Node) -> int:
+    index = GROUPS_ARG[packet(node)]
+    return node.args[index] if len(node.args) > index else node.kwargs.get("groups", 1)
+
+
+def is_depthwise(node: fx.Node) -> bool:
+    """A convolution whose every channel is its own group (``groups == in == out channels``,
+    one input channel per filter, not transposed): channel ``c`` of the output reads channel
+    ``c`` of the input, filter ``c`` and bias ``c`` only, so a channel split passes through."""
+    x, w = node.args[0], node.args[1]
+    if packet(node) is aten.convolution and node.args[6]:
+        return False
+    channels = shape_of(x)[1]
+    return shape_of(w)[0] == channels == shape_of(node)[1] and shape_of(w)[1] == 1 and conv_groups(node) == channels
+
+
+def conv_links(node: fx.Node) -> tuple[Links, set[int]]:
+    """Batch links to the input's batch; a depthwise convolution's channels link to the input's,
+    the filters' and the bias's channels (the split's ``groups`` is localized); a convolution that
+    mixes channels contracts them (no link). Spatial dims slide a window: never split."""
+    x, w = node.args[0], node.args[1]
+    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    out = shape_of(node)
+    spatial = set(range(2, len(out)))
+    if not is_depthwise(node):
+        return [(x, {0: 0})], spatial | {1}
+    links = [(x, {0: 0, 1: 1}), (w, {1: 0})]
+    if isinstance(bias, fx.Node):
+        links.append((bias, {1: 0}))
+    return links, spatial
+
+
 def matmul_links(node: fx.Node) -> tuple[Links, set[int]]:
     """``mm``/``bmm``/``matmul``: rows link to ``a``, columns to ``b``, batch dims to whichever
     operand has them unbroadcast; the contracted dim is no output dim."""

@@ -58,7 +58,8 @@ from sptransform.graph.rules.forward import (
 from sptransform.graph.rules.geometry import SPLIT_PACKETS, VIEWS
 from sptransform.graph.rules.links import (
     POINTWISE as POINTWISE_PACKETS, REDUCING_OVERLOADS, REDUCTIONS, addmm_links, grouped_mm_links, reduction_links,
-    cat_links, embedding_links, expand_links, index_links, index_select_links, linear_links, matmul_links, norm_links,
+    CONVOLUTIONS, cat_links, conv_links, embedding_links,
+    expand_links, index_links, index_select_links, linear_links, matmul_links, norm_links,
     permute_links, pointwise_links,
     repeat_interleave_links, sdpa_links, select_links, slice_links, squeeze_links, t_links, transpose_links,
     unsqueeze_links,
@@ -109,6 +110,7 @@ RULES: dict[object, OpRule] = {
     aten.cat: OpRule(cat_links, linked_forward, linked_backward),
     aten.index_select: OpRule(index_select_links, linked_forward, linked_backward),
     aten.index: OpRule(index_links, linked_forward, linked_backward),
+    **{p: OpRule(conv_links, linked_forward, linked_backward) for p in CONVOLUTIONS},
     aten.mm: OpRule(matmul_links, matmul_forward, linked_backward),
     aten.bmm: OpRule(matmul_links, matmul_forward, linked_backward),
     aten.matmul: OpRule(matmul_links, matmul_forward, linked_backward),
