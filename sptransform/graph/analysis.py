@@ -456,6 +456,7 @@ def analyze(captured: CapturedGraph, tp: int, exits: Container[fx.Node] = ()) ->
     if indivisible:  # every block that tp does not divide, at once
         raise ShardingError(indivisible[0] if len(indivisible) == 1 else
                             f"{len(indivisible)} blocks cannot be split over tp={tp}:\n  " + "\n  ".join(indivisible))
+    regions = _outer_regions(regions, failures)
     assigned = {r.row.node for r in regions} | {c for r in regions for c in r.columns}
     seen_columns: set[fx.Node] = set()
     for r in regions:
@@ -501,6 +502,30 @@ def analyze(captured: CapturedGraph, tp: int, exits: Container[fx.Node] = ()) ->
         fused=fused,
         kept_whole=kept_whole,
     )
+
+
+def _outer_regions(regions: list[Region], failures: dict[fx.Node, ShardingError]) -> list[Region]:
+    """A linear is either a block's row-parallel end or a column of another block, not both: a
+    low-rank gate ``g_b(g_a(x))`` pairs into a block of its own while ``g_b`` also feeds the
+    attention whose walk back from its output projection reached it; an attention's output
+    projection is also a "column" of the head when the walk back from the head crosses the
+    residual. Blocks are kept greedily, the one with most column linears first (ties: in graph
+    order): a block whose row linear is a kept block's column, or whose column is a kept block's
+    row, is dropped (its linears run as the kept block says, or whole), its reason recorded for
+    ``explain()``."""
+    kept: set[int] = set()
+    rows: set[fx.Node] = set()
+    columns: set[fx.Node] = set()
+    for i in sorted(range(len(regions)), key=lambda i: -len(regions[i].columns)):
+        region = regions[i]
+        if region.row.node in columns or rows & set(region.columns):
+            failures[region.row.node] = ShardingError(
+                f"{describe(region.row.node)}: its block shares a linear with a larger block, which takes its split")
+            continue
+        kept.add(i)
+        rows.add(region.row.node)
+        columns |= set(region.columns)
+    return [r for i, r in enumerate(regions) if i in kept]
 
 
 def _fused_parameters(linears: dict[fx.Node, LinearMatch], regions: list[Region],

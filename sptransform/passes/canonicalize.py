@@ -39,10 +39,12 @@ All edit ``gm`` in place and keep ``node.meta["val"]`` on what they create.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
-from sptransform.graph.nodes import packet
+from sptransform.graph.nodes import is_view, packet
 
 aten = torch.ops.aten
 
@@ -126,10 +128,13 @@ def functional_copies(gm: fx.GraphModule) -> int:
             else:
                 new = gm.graph.call_function(aten.clone.default, (value,))
         _take_over(gm, node, new)
-        if not dst.users and packet(dst) is aten.slice:
-            # The written-to view has no reader left; kept, it would read the buffer as a whole
+        while is_view(dst) and not dst.users and dst.target is not operator.getitem:
+            # The written-to view (a slice, a select: Qwen3-Next writes its recurrence's output
+            # chunk by chunk) has no reader left; kept, it would read the buffer as a whole
             # tensor and stand between the buffer and a tensor-parallel region.
+            parent = dst.args[0]
             gm.graph.erase_node(dst)
+            dst = parent
         changed += 1
     if changed:
         gm.recompile()

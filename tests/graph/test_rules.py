@@ -153,6 +153,34 @@ def test_a_depthwise_convolution_keeps_a_channel_split_and_one_that_mixes_channe
     assert _forward(op, {xn: whole(0, 2)}).output == whole(0, 2)  # the batch split passes
 
 
+def test_a_cat_along_a_split_dim_lays_its_inputs_side_by_side_in_segments():
+    """Qwen3-Next concatenates its query, key and value channels (each split by heads) before a
+    depthwise convolution: the output is split in three segments, one per input, and the walk
+    back gives each input its own; a replicated input is cut to an even split; a segment that
+    straddles two inputs cannot be carried back."""
+    gm = _graph(lambda a, b: aten.cat.default([a, b], 1), torch.randn(2, 4, 3), torch.randn(2, 6, 3))
+    (a, b), op = _inputs(gm), _op(gm, aten.cat)
+    decision = _forward(op, {a: whole(1, 4), b: whole(1, 6)})
+    assert decision.output == DimShard(1, ((0, 4), (4, 6)))
+    assert _forward(op, {a: whole(1, 4)}).needs == {a: whole(1, 4), b: whole(1, 6)}  # b cut locally
+    assert _backward(op, DimShard(1, ((0, 4), (4, 6)))) == {a: whole(1, 4), b: whole(1, 6)}
+    try:
+        _backward(op, whole(1, 10))
+    except ShardingError:
+        pass
+    else:
+        raise AssertionError("a split of the whole cat dim does not come from splits of its inputs")
+    assert _forward(op, {a: whole(0, 2), b: whole(0, 2)}).output == whole(0, 2)  # another dim: linked
+
+
+def test_tril_keeps_a_split_of_its_batch_dims_and_never_splits_the_matrix():
+    gm = _graph(lambda x: aten.tril.default(x, -1), torch.randn(2, 4, 8, 8))
+    (x,), op = _inputs(gm), _op(gm, aten.tril)
+    assert _forward(op, {x: whole(1, 4)}).output == whole(1, 4)
+    assert _backward(op, whole(1, 4)) == {x: whole(1, 4)}
+    assert _forward(op, {x: whole(2, 8)}).output == REPLICATED
+
+
 def test_softmax_may_not_be_split_along_the_dim_it_normalizes():
     gm = _graph(lambda x: aten._softmax.default(x, -1, False), torch.randn(4, 8))
     (x,), softmax = _inputs(gm), _op(gm, aten._softmax)

@@ -47,9 +47,14 @@ CASES = [  # (model type, experts implementation, sequence parallel)
     # LFM2-MoE: a short-convolution block (in_proj in 3 chunks, depthwise conv1d over the sequence,
     # out_proj) split by channels, then the MoE layer
     ("lfm2_moe", "batched_mm", True),
+    # Qwen3-Next: a gated delta-net (q/k/v/z and b/a projections per head, query, key and value
+    # concatenated for a depthwise conv1d, a chunked recurrence written into a zeros buffer) split
+    # by heads, and its experts
+    ("qwen3_next", "batched_mm", True),
 ]
-LAYERS = {"lfm2_moe": 2}
-"""Layers of the families whose first layer is not the MoE block (default one)."""
+LAYERS = {"lfm2_moe": 2, "qwen3_next": 2}
+"""Layers of the families whose first layer is not the subject alone (default one): LFM2-MoE's first is
+its short-conv block, Qwen3-Next's a gated delta-net with no attention (SP needs one to find the sequence)."""
 
 
 def _model(family: str, experts: str):

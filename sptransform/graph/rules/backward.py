@@ -11,7 +11,7 @@ import torch.fx as fx
 from sptransform.graph.nodes import describe, output_shape, shape_of
 from sptransform.graph.placement import DimShard
 from sptransform.graph.rules.base import CUT, LinksRule, ShardingError
-from sptransform.graph.rules.geometry import reshape_spec, strided_slice_input_spec
+from sptransform.graph.rules.geometry import cat_input_specs, cat_pieces, reshape_spec, strided_slice_input_spec
 
 
 def view_backward(node: fx.Node, links: LinksRule | None, spec: DimShard, tp: int) -> list:
@@ -73,4 +73,12 @@ def slice_backward(node: fx.Node, links: LinksRule | None, spec: DimShard, tp: i
     wanted = strided_slice_input_spec(node, spec, tp)
     if wanted is not None:
         return [(node.args[0], wanted)]
+    return linked_backward(node, links, spec, tp)
+
+
+def cat_backward(node: fx.Node, links: LinksRule | None, spec: DimShard, tp: int) -> list:
+    """Split along the concatenated dim in segments that each lie inside one input: every input
+    split in its own segments (``geometry.cat_input_specs``); any other dim: by its links."""
+    if spec.dim == cat_pieces(node)[0]:
+        return list(cat_input_specs(node, spec))
     return linked_backward(node, links, spec, tp)

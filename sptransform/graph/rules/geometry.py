@@ -201,6 +201,32 @@ def split_output_specs(node: fx.Node, spec: DimShard) -> list[DimShard]:
 
 
 
+def cat_pieces(node: fx.Node) -> tuple[int, list[tuple[fx.Node, int, int]]]:
+    """(dim, [(input, offset, size)]) of a ``cat``: where each input lands along the dim."""
+    tensors = node.args[0]
+    d = norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), len(shape_of(node)))
+    pieces, offset = [], 0
+    for t in tensors:
+        size = shape_of(t)[d]
+        pieces.append((t, offset, size))
+        offset += size
+    return d, pieces
+
+
+def cat_input_specs(node: fx.Node, spec: DimShard) -> list[tuple[fx.Node, DimShard]]:
+    """A ``cat`` whose output is split along its dim in segments: each input takes the segments
+    that fall inside it (the inverse of ``split_output_specs``: Qwen3-Next concatenates its
+    per-head query, key and value channels before a depthwise convolution)."""
+    d, pieces = cat_pieces(node)
+    result = []
+    for t, offset, size in pieces:
+        inside = tuple((a - offset, n) for a, n in spec.segments if offset <= a and a + n <= offset + size)
+        if sum(n for _, n in inside) != size:
+            raise ShardingError(f"{describe(node)}: an input's boundary cuts through a split segment")
+        result.append((t, DimShard(d, inside)))
+    return result
+
+
 # ---------------------------------------------------------------------------
 # slices of a split dim: the pieces of a fused output taken with ``x[..., a:b]``
 

@@ -206,6 +206,17 @@ def index_links(node: fx.Node) -> tuple[Links, set[int]]:
     return links, set()
 
 
+TRIANGLES = frozenset({aten.tril, aten.triu})
+
+
+def triangle_links(node: fx.Node) -> tuple[Links, set[int]]:
+    """``tril``/``triu`` keep or zero each element by its position in the last two dims: the
+    leading (batch, head) dims link one to one; the matrix dims may not be split (a rank's rows
+    would need their global index)."""
+    n = len(shape_of(node))
+    return [(node.args[0], {d: d for d in range(n)})], {n - 2, n - 1}
+
+
 CONVOLUTIONS = frozenset({aten.conv1d, aten.conv2d, aten.conv3d, aten.convolution})
 GROUPS_ARG = {aten.conv1d: 6, aten.conv2d: 6, aten.conv3d: 6, aten.convolution: 8}
 """Where each convolution takes ``groups`` (``convolution``'s args: input, weight, bias, stride,

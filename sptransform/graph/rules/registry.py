@@ -46,19 +46,19 @@ import torch.fx as fx
 
 from sptransform.graph.nodes import is_grouped_mm, output_shape, packet
 from sptransform.graph.placement import PARTIAL, REPLICATED, DimShard
-from sptransform.graph.rules.backward import linked_backward, slice_backward, view_backward
+from sptransform.graph.rules.backward import cat_backward, linked_backward, slice_backward, view_backward
 from sptransform.graph.rules.base import (
     Decision, OpRule, RuleContext, ShardingError, replicated_like, same_for_each_output, tensor_inputs,
 )
 from sptransform.graph.rules.dtensor import dtensor_backward, dtensor_forward
 from sptransform.graph.rules.forward import (
-    READS_METADATA_ONLY, cross_entropy_forward, embedding_forward, grouped_mm_forward, linked_forward, matmul_forward,
+    READS_METADATA_ONLY, cat_forward, cross_entropy_forward, embedding_forward, grouped_mm_forward, linked_forward, matmul_forward,
     metadata_forward, reduction_forward, sdpa_forward, slice_forward, split_forward, view_forward,
 )
 from sptransform.graph.rules.geometry import SPLIT_PACKETS, VIEWS
 from sptransform.graph.rules.links import (
     POINTWISE as POINTWISE_PACKETS, REDUCING_OVERLOADS, REDUCTIONS, addmm_links, grouped_mm_links, reduction_links,
-    CONVOLUTIONS, cat_links, conv_links, embedding_links,
+    CONVOLUTIONS, TRIANGLES, cat_links, conv_links, embedding_links, triangle_links,
     expand_links, index_links, index_select_links, linear_links, matmul_links, norm_links,
     permute_links, pointwise_links,
     repeat_interleave_links, sdpa_links, select_links, slice_links, squeeze_links, t_links, transpose_links,
@@ -107,10 +107,11 @@ RULES: dict[object, OpRule] = {
     aten.slice: OpRule(slice_links, slice_forward, slice_backward),
     aten.select: OpRule(select_links, linked_forward, linked_backward),
     aten.repeat_interleave: OpRule(repeat_interleave_links, linked_forward, linked_backward),
-    aten.cat: OpRule(cat_links, linked_forward, linked_backward),
+    aten.cat: OpRule(cat_links, cat_forward, cat_backward),
     aten.index_select: OpRule(index_select_links, linked_forward, linked_backward),
     aten.index: OpRule(index_links, linked_forward, linked_backward),
     **{p: OpRule(conv_links, linked_forward, linked_backward) for p in CONVOLUTIONS},
+    **{p: OpRule(triangle_links, linked_forward, linked_backward) for p in TRIANGLES},
     aten.mm: OpRule(matmul_links, matmul_forward, linked_backward),
     aten.bmm: OpRule(matmul_links, matmul_forward, linked_backward),
     aten.matmul: OpRule(matmul_links, matmul_forward, linked_backward),
