@@ -171,6 +171,11 @@ def test_a_cat_along_a_split_dim_lays_its_inputs_side_by_side_in_segments():
     else:
         raise AssertionError("a split of the whole cat dim does not come from splits of its inputs")
     assert _forward(op, {a: whole(0, 2), b: whole(0, 2)}).output == whole(0, 2)  # another dim: linked
+    # a legacy empty 1-D input beside them (HF's mask code makes one) lands nowhere, read whole
+    gm = _graph(lambda e, a: aten.cat.default([e, a], 1), torch.empty(0), torch.randn(2, 4, 3))
+    (e, a), op = _inputs(gm), _op(gm, aten.cat)
+    assert _forward(op, {a: whole(1, 4)}).output == whole(1, 4)
+    assert _backward(op, whole(1, 4)) == {e: None, a: whole(1, 4)}
 
 
 def test_tril_keeps_a_split_of_its_batch_dims_and_never_splits_the_matrix():

@@ -283,6 +283,11 @@ def cat_forward(node: fx.Node, links: LinksRule | None, current: dict, ctx: Rule
     needs, segments = {}, []
     for t, offset, size in pieces:
         spec = current.get(t)
+        if size == 0:  # an empty input (a legacy 1-D one beside others): read whole, adds nothing
+            if spec != REPLICATED:
+                return None
+            needs[t] = REPLICATED
+            continue
         if spec == REPLICATED:
             if size % ctx.tp:
                 return None

@@ -202,12 +202,14 @@ def split_output_specs(node: fx.Node, spec: DimShard) -> list[DimShard]:
 
 
 def cat_pieces(node: fx.Node) -> tuple[int, list[tuple[fx.Node, int, int]]]:
-    """(dim, [(input, offset, size)]) of a ``cat``: where each input lands along the dim."""
+    """(dim, [(input, offset, size)]) of a ``cat``: where each input lands along the dim. A 1-D
+    empty input beside tensors of more dims (``cat`` still accepts one) lands nowhere: size 0."""
     tensors = node.args[0]
-    d = norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), len(shape_of(node)))
+    ndim = len(shape_of(node))
+    d = norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), ndim)
     pieces, offset = [], 0
     for t in tensors:
-        size = shape_of(t)[d]
+        size = shape_of(t)[d] if len(shape_of(t)) == ndim else 0
         pieces.append((t, offset, size))
         offset += size
     return d, pieces
@@ -220,6 +222,9 @@ def cat_input_specs(node: fx.Node, spec: DimShard) -> list[tuple[fx.Node, DimSha
     d, pieces = cat_pieces(node)
     result = []
     for t, offset, size in pieces:
+        if size == 0:
+            result.append((t, None))  # nothing of it lands in the output: read whole
+            continue
         inside = tuple((a - offset, n) for a, n in spec.segments if offset <= a and a + n <= offset + size)
         if sum(n for _, n in inside) != size:
             raise ShardingError(f"{describe(node)}: an input's boundary cuts through a split segment")

@@ -14,7 +14,9 @@ order) answers with a ``Decision``. In order:
    in fused segments: views, layout and pointwise ops, reductions, splits, matmuls (a
    contraction over split dims is a partial sum), norms, softmax, SDPA, embedding,
    cross-entropy (vocabulary-parallel), indexing by integer tensors (``W[ids]``: the dims the
-   index does not read keep their split), and ``new_empty`` and kin (the input read where it is);
+   index does not read keep their split), depthwise convolutions (channels split, ``groups``
+   localized), ``cat`` along a split dim (its inputs' segments side by side), ``tril``/``triu``
+   (leading dims), and ``new_empty`` and kin (the input read where it is);
 3. DTensor's strategies for every other ATen op;
 4. none applies: every input is gathered to replicated and the op runs whole on every rank.
 
