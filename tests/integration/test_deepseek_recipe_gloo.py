@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from simulate import free_port
+from simulate import spawn_with_deadline
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
@@ -118,7 +118,7 @@ def test_deepseek_v3_recipe_trains_like_one_device_and_its_memory_matches_the_fo
     from sptransform.planner.workload import StateBytes
 
     results = mp.Manager().dict()
-    mp.spawn(_worker, args=(DP * PP, free_port(), results), nprocs=DP * PP, join=True)
+    spawn_with_deadline(_worker, DP * PP, 1200.0, results)  # a hang fails the test instead of blocking CI
     results = dict(results)
     # float64 weights and gradients, AdamW's two float64 moments (no master copy), an fp32 EMA
     state_bytes = StateBytes(weights=8, gradients=8, optimizer=16, ema=4)
