@@ -1,6 +1,6 @@
 """The DeepSeek-V3 memory chapter's recipe as one ``parallelize`` call, on 4 real gloo ranks: a
-shrunk transformers ``deepseek_v3`` (MLA attention, a dense first layer, then routed + shared
-experts) with no tensor parallelism, 2 pipeline stages per rank on the DualPipeV schedule (V
+shrunk transformers ``deepseek_v3`` (4 layers of MLA attention: three with a dense MLP, the last
+with routed + shared experts) with no tensor parallelism, 2 pipeline stages per rank on the DualPipeV schedule (V
 placement: the embedding and the head on rank 0), ZeRO-1 over 2 data-parallel replicas,
 ``recompute="norm_upproj"`` and an fp32 EMA of the weights in host memory.
 
