@@ -456,7 +456,7 @@ def analyze(captured: CapturedGraph, tp: int, exits: Container[fx.Node] = ()) ->
     if indivisible:  # every block that tp does not divide, at once
         raise ShardingError(indivisible[0] if len(indivisible) == 1 else
                             f"{len(indivisible)} blocks cannot be split over tp={tp}:\n  " + "\n  ".join(indivisible))
-    regions = _outer_regions(regions, failures)
+    regions = _non_overlapping_regions(regions, failures)
     assigned = {r.row.node for r in regions} | {c for r in regions for c in r.columns}
     seen_columns: set[fx.Node] = set()
     for r in regions:
@@ -504,7 +504,7 @@ def analyze(captured: CapturedGraph, tp: int, exits: Container[fx.Node] = ()) ->
     )
 
 
-def _outer_regions(regions: list[Region], failures: dict[fx.Node, ShardingError]) -> list[Region]:
+def _non_overlapping_regions(regions: list[Region], failures: dict[fx.Node, ShardingError]) -> list[Region]:
     """A linear is either a block's row-parallel end or a column of another block, not both: a
     low-rank gate ``g_b(g_a(x))`` pairs into a block of its own while ``g_b`` also feeds the
     attention whose walk back from its output projection reached it; an attention's output

@@ -50,16 +50,12 @@ def localize(node: fx.Node, spec: DimShard | None, tp: int) -> None:
         args[index] = local_shape(node, spec, tp)
         node.args = tuple(args)
     elif p in GROUPS_ARG and spec.dim == 1 and is_depthwise(node):  # one group per local channel
+        # a depthwise conv with more than one channel names its groups, by position or keyword
         index = GROUPS_ARG[p]
-        args = list(node.args) + [None] * (index + 1 - len(node.args))
-        if len(node.args) <= index and "groups" in node.kwargs:
-            node.kwargs = {**node.kwargs, "groups": spec.local_size(tp)}
+        if len(node.args) > index:
+            node.args = (*node.args[:index], spec.local_size(tp), *node.args[index + 1:])
         else:
-            defaults = {3: 1, 4: 0, 5: 1}  # stride, padding, dilation of conv1d/2d/3d
-            for i in range(len(node.args), index):
-                args[i] = defaults[i]
-            args[index] = spec.local_size(tp)
-            node.args = tuple(args)
+            node.kwargs = {**node.kwargs, "groups": spec.local_size(tp)}
     elif p is aten.unflatten:
         x, dim, sizes = node.args[:3]
         dim = dim % len(shape_of(x))
