@@ -153,16 +153,13 @@ def test_a_depthwise_convolution_keeps_a_channel_split_and_one_that_mixes_channe
     assert _forward(op, {xn: whole(0, 2)}).output == whole(0, 2)  # the batch split passes
 
 
-def test_a_cat_along_a_split_dim_lays_its_inputs_side_by_side_in_segments():
+def test_a_cat_along_a_split_dim_is_walked_back_in_segments_and_gathered_forward():
     """Qwen3-Next concatenates its query, key and value channels (each split by heads) before a
-    depthwise convolution: the output is split in three segments, one per input, and the walk
-    back gives each input its own; a replicated input is cut to an even split; a segment that
-    straddles two inputs cannot be carried back."""
+    depthwise convolution: the walk back gives each input the segments inside it, and a segment
+    that straddles two inputs cannot be carried back. Forward, a split of the cat dim is gathered
+    (and cut again where a reader needs it split); another dim's split passes."""
     gm = _graph(lambda a, b: aten.cat.default([a, b], 1), torch.randn(2, 4, 3), torch.randn(2, 6, 3))
     (a, b), op = _inputs(gm), _op(gm, aten.cat)
-    decision = _forward(op, {a: whole(1, 4), b: whole(1, 6)})
-    assert decision.output == DimShard(1, ((0, 4), (4, 6)))
-    assert _forward(op, {a: whole(1, 4)}).needs == {a: whole(1, 4), b: whole(1, 6)}  # b cut locally
     assert _backward(op, DimShard(1, ((0, 4), (4, 6)))) == {a: whole(1, 4), b: whole(1, 6)}
     try:
         _backward(op, whole(1, 10))
@@ -170,11 +167,11 @@ def test_a_cat_along_a_split_dim_lays_its_inputs_side_by_side_in_segments():
         pass
     else:
         raise AssertionError("a split of the whole cat dim does not come from splits of its inputs")
-    assert _forward(op, {a: whole(0, 2), b: whole(0, 2)}).output == whole(0, 2)  # another dim: linked
-    # a legacy empty 1-D input beside them (HF's mask code makes one) lands nowhere, read whole
+    assert _forward(op, {a: whole(1, 4), b: whole(1, 6)}).output == REPLICATED
+    assert _forward(op, {a: whole(0, 2), b: whole(0, 2)}).output == whole(0, 2)
+    # a legacy empty 1-D input beside them (HF's cache code makes one) lands nowhere, read whole
     gm = _graph(lambda e, a: aten.cat.default([e, a], 1), torch.empty(0), torch.randn(2, 4, 3))
     (e, a), op = _inputs(gm), _op(gm, aten.cat)
-    assert _forward(op, {a: whole(1, 4)}).output == whole(1, 4)
     assert _backward(op, whole(1, 4)) == {e: None, a: whole(1, 4)}
 
 

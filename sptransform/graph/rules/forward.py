@@ -16,7 +16,7 @@ import torch.fx as fx
 from sptransform.graph.nodes import is_grouped_mm, packet, shape_of
 from sptransform.graph.placement import PARTIAL, REPLICATED, DimShard, whole
 from sptransform.graph.rules.base import Decision, LinksRule, RuleContext, replicated_like, same_for_each_output
-from sptransform.graph.rules.geometry import cat_pieces, is_split, reshape_spec, slice_bounds, slice_output_spec, split_dim, split_output_specs
+from sptransform.graph.rules.geometry import is_split, reshape_spec, slice_bounds, slice_output_spec, split_dim, split_output_specs
 
 aten = torch.ops.aten
 
@@ -271,34 +271,6 @@ def slice_forward(node: fx.Node, links: LinksRule | None, current: dict, ctx: Ru
         return Decision({x: spec}, out) if out is not None else Decision({x: REPLICATED}, REPLICATED)
     return linked_forward(node, links, current, ctx)
 
-
-
-def cat_forward(node: fx.Node, links: LinksRule | None, current: dict, ctx: RuleContext) -> Decision | None:
-    """Inputs split along the concatenated dim: the output is split in their segments, side by
-    side (each rank concatenates its parts, which is that layout); a replicated input is cut to
-    one even split of its own. Any other split: by the links (the cat dim gathered)."""
-    d, pieces = cat_pieces(node)
-    if not any(isinstance(current.get(t), DimShard) and current[t].dim == d for t, _, _ in pieces):
-        return linked_forward(node, links, current, ctx)
-    needs, segments = {}, []
-    for t, offset, size in pieces:
-        spec = current.get(t)
-        if size == 0:  # an empty input (a legacy 1-D one beside others): read whole, adds nothing
-            if spec != REPLICATED:
-                return None
-            needs[t] = REPLICATED
-            continue
-        if spec == REPLICATED:
-            if size % ctx.tp:
-                return None
-            spec = whole(d, size)
-        elif not (isinstance(spec, DimShard) and spec.dim == d):
-            return None  # split along another dim beside ones split along d: DTensor, or gathered
-        if needs.get(t, spec) != spec:
-            return None
-        needs[t] = spec
-        segments.extend((offset + a, n) for a, n in spec.segments)
-    return Decision(needs, DimShard(d, tuple(segments)))
 
 
 # ---------------------------------------------------------------------------

@@ -15,7 +15,7 @@ order) answers with a ``Decision``. In order:
    contraction over split dims is a partial sum), norms, softmax, SDPA, embedding,
    cross-entropy (vocabulary-parallel), indexing by integer tensors (``W[ids]``: the dims the
    index does not read keep their split), depthwise convolutions (channels split, ``groups``
-   localized), ``cat`` along a split dim (its inputs' segments side by side), ``tril``/``triu``
+   localized), ``tril``/``triu``
    (leading dims), and ``new_empty`` and kin (the input read where it is);
 3. DTensor's strategies for every other ATen op;
 4. none applies: every input is gathered to replicated and the op runs whole on every rank.
@@ -54,7 +54,7 @@ from sptransform.graph.rules.base import (
 )
 from sptransform.graph.rules.dtensor import dtensor_backward, dtensor_forward
 from sptransform.graph.rules.forward import (
-    READS_METADATA_ONLY, cat_forward, cross_entropy_forward, embedding_forward, grouped_mm_forward, linked_forward, matmul_forward,
+    READS_METADATA_ONLY, cross_entropy_forward, embedding_forward, grouped_mm_forward, linked_forward, matmul_forward,
     metadata_forward, reduction_forward, sdpa_forward, slice_forward, split_forward, view_forward,
 )
 from sptransform.graph.rules.geometry import SPLIT_PACKETS, VIEWS
@@ -109,7 +109,9 @@ RULES: dict[object, OpRule] = {
     aten.slice: OpRule(slice_links, slice_forward, slice_backward),
     aten.select: OpRule(select_links, linked_forward, linked_backward),
     aten.repeat_interleave: OpRule(repeat_interleave_links, linked_forward, linked_backward),
-    aten.cat: OpRule(cat_links, cat_forward, cat_backward),
+    # forward, a split of the cat dim is gathered: laying split inputs side by side in segments
+    # gave a KV-cache decode with one K/V head wrong logits (its self-check caught it)
+    aten.cat: OpRule(cat_links, linked_forward, cat_backward),
     aten.index_select: OpRule(index_select_links, linked_forward, linked_backward),
     aten.index: OpRule(index_links, linked_forward, linked_backward),
     **{p: OpRule(conv_links, linked_forward, linked_backward) for p in CONVOLUTIONS},
