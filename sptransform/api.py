@@ -21,7 +21,8 @@ from sptransform.options import DEFAULT_GRAPH_CACHE_SIZE, DEFAULT_PEER_TIMEOUT_S
 from sptransform.pipeline.module import PipelinedModule
 from sptransform.pipeline.schedule import check_pipeline_options
 from sptransform.runtime.meta import materialize_meta_buffers
-from sptransform.runtime.mesh import resolve_mesh, resolve_pipeline_mesh, resolve_tp_mesh
+from sptransform.passes.expert_parallel import ExpertGroups
+from sptransform.runtime.mesh import expert_mesh, resolve_mesh, resolve_pipeline_mesh, resolve_tp_mesh
 from sptransform.runtime.module import ONE_STAGE_SCHEDULES, ParallelModule, SteppedModule
 from sptransform.pipeline.plan import first_microbatch
 from sptransform.runtime.checks import check_call
@@ -52,6 +53,7 @@ def parallelize(
     check_inputs: bool = True,
     graph_cache_size: int = DEFAULT_GRAPH_CACHE_SIZE,
     dp: int = 1,
+    ep: int = 1,
     zero: int = 0,
     compile: Literal["inductor", "eager"] = "inductor",
     overlap: bool | None = None,
@@ -119,6 +121,15 @@ def parallelize(
     accelerators only (on CPU gloo reduces on the cores that compute: measured slower).
     ``False`` waits on each collective at once.
 
+    Expert parallelism (``ep``, dividing ``dp``): the data-parallel ranks fall into groups of ``ep``
+    consecutive ranks; each rank of a group stores ``E/ep`` of every routed expert layer's experts
+    (found on the graph: expert weights gathered by routing indices, transformers'
+    ``experts_implementation="batched_mm"``) and applies them to the tokens of the whole group,
+    exchanged by an all-gather before the experts and a reduce-scatter after them (no token
+    dropped; ``passes.expert_parallel``). Parameters are DTensors on an ``("edp", "ep", "tp")``
+    mesh, experts ``Shard(0)`` on ``ep``; expert gradients are averaged over the ``dp / ep`` ranks
+    holding the same experts. So far with ``tp=1``, ``pp=1``, ``zero=0``.
+
     ``dp_loss`` (``dp > 1``): ``"tokens"`` weights each replica's gradient by its count of
     non-ignored targets where the loss is a token mean found on the graph (single-device
     gradients of the concatenated batch, whatever each replica's ``-100`` count or batch size);
@@ -133,7 +144,7 @@ def parallelize(
         raise TypeError(f"parallelize expects an nn.Module, got {type(model).__name__}")
     _refuse_parallel_input(model)
     options = ParallelOptions(tp=tp, sp=sp, dropout_rng=dropout_rng, seed=seed, recompute=recompute,
-                              check_inputs=check_inputs, graph_cache_size=graph_cache_size, dp=dp, zero=zero,
+                              check_inputs=check_inputs, graph_cache_size=graph_cache_size, dp=dp, ep=ep, zero=zero,
                               compile=compile, overlap=overlap,
                               dp_loss=dp_loss, peer_timeout_s=peer_timeout_s)
     _check_mesh(mesh)
@@ -155,7 +166,7 @@ def parallelize(
     # Pipeline stages are cut from the graph around its loss output, which the token weighting
     # replaces (passes.token_weighting): pipelines average the replicas' gradients (README).
     graph_options = options if meshes.pipeline is None else dataclasses.replace(options, dp_loss="replicas")
-    factory = _factory(model, graph_options, meshes.tp, device, meshes.dp_group)
+    factory = _factory(model, graph_options, meshes.tp, device, meshes.dp_group, meshes.experts)
     common = dict(factory=factory, options=options, param_mesh=meshes.param)
     if meshes.pipeline is not None:
         module = PipelinedModule(model, pipeline=pipeline, mesh=meshes.pipeline, example_args=args,
@@ -184,6 +195,7 @@ class _Meshes:
     param: DeviceMesh | None = None
     full: DeviceMesh | None = None
     dp_group: str | None = None
+    experts: ExpertGroups | None = None
 
 
 def _meshes(options: ParallelOptions, pipeline: PipelineOptions | None, mesh, device) -> _Meshes:
@@ -199,9 +211,17 @@ def _meshes(options: ParallelOptions, pipeline: PipelineOptions | None, mesh, de
     if local_tensor_mode() is not None:
         raise ValueError("dp > 1 needs real ranks (torchrun, gloo or nccl): simulated ranks run tensor "
                          "parallelism only; use sptransform.verify(model, tp=...) for the tensor-parallel part")
+    if options.ep > 1 and (pp > 1 or mesh is not None):
+        raise ValueError(f"ep={options.ep} with " + ("pp=%d" % pp if pp > 1 else "mesh=") + ": expert parallelism "
+                         "builds its own mesh and runs without pipeline stages so far; use pp=1 and mesh=None")
     full = resolve_mesh(options.dp, pp, options.tp, mesh, device)
     if mesh is None and options.peer_timeout_s is not None:  # a group of ours: replicas wait peer_timeout_s
         set_group_timeout(full["dp"].get_group(), datetime.timedelta(seconds=options.peer_timeout_s))
+    if options.ep > 1:
+        ep_mesh = expert_mesh(options.dp, options.ep, device)
+        groups = ExpertGroups(group=ep_mesh["ep"].get_group().group_name, rank=ep_mesh["ep"].get_local_rank(),
+                              replicas=ep_mesh["edp"].get_group().group_name)
+        return _Meshes(full["tp"], None, ep_mesh, full, full["dp"].get_group().group_name, groups)
     return _Meshes(full["tp"], full["pp", "tp"] if pp > 1 else None, full["dp", "tp"], full,
                    full["dp"].get_group().group_name)
 
@@ -263,7 +283,7 @@ def _pipeline_options(options: ParallelOptions, pp, schedule, n_microbatches, st
 
 
 def _factory(model: nn.Module, options: ParallelOptions, tp_mesh: DeviceMesh | None, device: torch.device,
-             dp_group: str | None = None) -> GraphFactory:
+             dp_group: str | None = None, experts: ExpertGroups | None = None) -> GraphFactory:
     """The graph factory of one parallel module: a fake copy of ``model`` to trace, and this
     rank's dropout generators (one per simulated rank under LocalTensorMode), owned by the
     module through the factory (graphs call their methods, so they live as long as the module)."""
@@ -273,7 +293,7 @@ def _factory(model: nn.Module, options: ParallelOptions, tp_mesh: DeviceMesh | N
     rank = None if tp_mesh is None or local_tensor_mode() is not None else tp_mesh.get_local_rank()
     generators = RankGenerators(seed, options.tp, rank)
     group = tp_mesh.get_group().group_name if tp_mesh is not None else None
-    return GraphFactory(template, options, group, generators, device, dp_group)
+    return GraphFactory(template, options, group, generators, device, dp_group, experts)
 
 
 def check_example_inputs(model: nn.Module, args: tuple, kwargs: dict) -> None:

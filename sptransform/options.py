@@ -132,6 +132,10 @@ class ParallelOptions:
     dp: int = 1
     """Data-parallel degree: groups of ranks that each train on their own batch, gradients
     averaged over them."""
+    ep: int = 1
+    """Expert-parallel degree: the data-parallel ranks fall into groups of ``ep`` that split every
+    routed expert layer's experts (``E/ep`` each) and run them on the group's tokens (all-gather of
+    the tokens, reduce-scatter of the outputs: ``passes.expert_parallel``). Divides ``dp``."""
     zero: ZeroStage = 0
     """0: parameters, gradients and optimizer state replicated over the data-parallel ranks.
     1, 2 and 3: parameters stored in 1/dp pieces (so the optimizer's state is 1/dp), each layer's
@@ -176,6 +180,17 @@ class ParallelOptions:
     def __post_init__(self) -> None:
         _check_int("tp", self.tp, minimum=1)
         _check_int("dp", self.dp, minimum=1)
+        _check_int("ep", self.ep, minimum=1, fix="the number of ranks that split the experts (1: every rank holds all)")
+        if self.dp % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp={self.dp}: expert parallelism splits the experts over groups "
+                             f"of ep data-parallel ranks; use dp={self.ep * max(1, -(-self.dp // self.ep))} or an ep "
+                             f"that divides {self.dp}")
+        if self.ep > 1 and (self.tp > 1 or self.zero):
+            raise ValueError(
+                f"ep={self.ep} with " + " and ".join(f"{k}={v}" for k, v in (("tp", self.tp), ("zero", self.zero))
+                                                     if v not in (0, 1)) +
+                ": expert parallelism runs with tp=1 and zero=0 so far; use tp=1, zero=0 (tp alone also splits "
+                "experts, by their hidden dims)")
         if isinstance(self.zero, bool) or not isinstance(self.zero, int):
             raise TypeError(f"zero={self.zero!r} ({type(self.zero).__name__}): the ZeRO stage is an int, 0 to 3")
         if self.zero not in get_args(ZeroStage):

@@ -13,6 +13,7 @@ fake parameters), then runs ``PASSES`` top to bottom (``build_parallel_graph``):
     tensor_parallel                          passes.tensor_parallel  local shapes, collectives, f, buckets
     dropout                                  passes.dropout          rank-aware masks
     analyse_layers                           graph.analysis          tp = 1, dp > 1: layers, head, loss (reads only)
+    expert_parallel                          passes.expert_parallel  ep > 1: experts split, tokens exchanged
     data_parallel                            passes.data_parallel    dp > 1: gradient averaging / ZeRO gathers
     token_weighting                          passes.token_weighting  dp > 1, dp_loss="tokens": token-mean losses
                                                                      weighted by each replica's token count
@@ -63,6 +64,8 @@ from sptransform.passes.base import Pass, PassResult, run_logged, run_passes
 from sptransform.passes.canonicalize import functional_copies, narrow_as_slice, remove_dead_code, repeat_grouped_kv, split_bias
 from sptransform.passes.data_parallel import DataParallelPlan, data_parallel, zero_dim
 from sptransform.passes.dropout import shard_dropout
+from sptransform.passes.expert_parallel import ExpertGroups, ExpertParallelPlan, expert_parallel
+from sptransform.graph.experts import data_nodes, find_expert_regions
 from sptransform.passes.token_weighting import weight_by_token_counts
 from sptransform.passes.overlap import schedule_collectives
 from sptransform.passes.remat import remat_partition
@@ -96,6 +99,8 @@ class Build:
     """The module's dropout generators (the dropout pass's ops are their bound methods)."""
     overlap: bool
     """Whether gradient buckets stay in flight (``ParallelOptions.overlaps_buckets``)."""
+    experts: ExpertGroups | None = None
+    """The expert-parallel groups (``options.ep > 1``)."""
     entry: Entry | None = None
     """Another forward of the module being built (``capture.Entry``): which inputs are stored split
     as their readers read them, which outputs stay split."""
@@ -110,6 +115,7 @@ class Build:
     """Nodes computed from parameters, buffers and constants only."""
     propagation: Propagation | None = None
     gradients: GradientPlan | None = None
+    expert_parallel: ExpertParallelPlan | None = None
     data_parallel: DataParallelPlan | None = None
 
     def layer_rows(self) -> list[tuple[fx.Node, int]]:
@@ -128,6 +134,10 @@ def _data_parallel(build: Build) -> bool:
 
 def _token_weighted(build: Build) -> bool:
     return build.options.dp > 1 and build.options.dp_loss == "tokens"
+
+
+def _expert_parallel(build: Build) -> bool:
+    return build.options.ep > 1
 
 
 def _data_parallel_alone(build: Build) -> bool:
@@ -303,6 +313,8 @@ def _add_data_parallel(gm: fx.GraphModule, build: Build) -> PassResult:
         placement = placements.get(name)
         storage = placement.storage if placement is not None else None
         shape = list(node.meta["val"].shape)
+        if build.expert_parallel is not None and name in build.expert_parallel.experts:
+            shape[0] //= options.ep
         if storage is not None:
             if placement.padded_rows is not None:  # uneven over the tensor-parallel ranks: kept whole over dp
                 dims[name] = None
@@ -311,9 +323,37 @@ def _add_data_parallel(gm: fx.GraphModule, build: Build) -> PassResult:
         local_shapes[name] = tuple(shape)
         dims[name] = zero_dim(tuple(shape), storage.dim if storage is not None else None, options.dp) \
             if options.zero >= 1 else None
+    experts = build.expert_parallel
     build.data_parallel = DataParallelPlan(group=build.dp_group, size=options.dp, zero=options.zero, dims=dims,
-                                           local_shapes=local_shapes, overlap=build.overlap)
+                                           local_shapes=local_shapes, overlap=build.overlap,
+                                           expert_group=build.experts.replicas if experts is not None else None,
+                                           experts=frozenset(experts.experts) if experts is not None else frozenset(),
+                                           ep=options.ep)
     return PassResult(data_parallel(gm, trainable, build.data_parallel, build.layer_rows()), True)
+
+
+def _split_experts(gm: fx.GraphModule, build: Build) -> PassResult:
+    """Routed experts split over the expert-parallel ranks (``passes.expert_parallel``); the
+    regions come from dataflow (``graph.experts``). Every problem is raised at once."""
+    captured, groups, ep = build.captured, build.experts, build.options.ep
+    state = dict(zip(captured.state_placeholders, captured.state_names))
+    params = {node: name for node, name in state.items() if name in captured.param_names}
+    regions, problems = find_expert_regions(gm, params, data_nodes(gm, captured.user_placeholders))
+    experts: dict[str, int] = {}
+    for region in regions:
+        for param in region.seeds.values():
+            experts[params[param]] = shape_of(param)[0]
+    problems += [f"{name} has {count} experts, which ep={ep} does not divide" for name, count in experts.items()
+                 if count % ep]
+    if not regions and not problems:
+        problems.append(
+            "no expert weights gathered by routing indices (w[idx], transformers' experts_implementation="
+            "'batched_mm') were found: use model.set_experts_implementation('batched_mm'), or ep=1 (tp splits "
+            "experts read by grouped_mm or bmm by their hidden dims)")
+    if problems:
+        raise ValueError(f"ep={ep} cannot split the experts of this model:\n  " + "\n  ".join(problems))
+    build.expert_parallel = ExpertParallelPlan(group=groups.group, size=ep, rank=groups.rank, experts=experts)
+    return PassResult(expert_parallel(gm, regions, params, build.expert_parallel), True)
 
 
 def _weight_tokens(gm: fx.GraphModule, build: Build) -> int:
@@ -344,6 +384,7 @@ PASSES: list[Pass] = [
          adds=("sptransform_spec",), enabled=_tensor_parallel),
     Pass("dropout", _dropout, requires=("plan", "sptransform_spec", "val"), enabled=_tensor_parallel),
     Pass("analyse_layers", _analyse_layers, adds=("single_device_analysis",), enabled=_data_parallel_alone),
+    Pass("expert_parallel", _split_experts, requires=("val",), adds=("expert_parallel",), enabled=_expert_parallel),
     Pass("data_parallel", _add_data_parallel, requires=("val",), adds=("data_parallel",), enabled=_data_parallel),
     Pass("token_weighting", lambda gm, b: _changed(gm, _weight_tokens(gm, b)), requires=("val",),
          enabled=_token_weighted),
@@ -353,6 +394,7 @@ PASSES: list[Pass] = [
 def build_parallel_graph(
     template: FakeTemplate, args: tuple, kwargs: dict, options: ParallelOptions, group: str | None, generators: RankGenerators,
     dp_group: str | None = None, device_type: str = "cpu", entry: Entry | None = None,
+    experts: ExpertGroups | None = None,
 ) -> ParallelGraph:
     """Capture, then ``PASSES`` in order. ``dp_group``: the data-parallel process group's name
     (``options.dp > 1``); ``device_type``: where the graph runs (whether its gradient buckets
@@ -383,7 +425,7 @@ def build_parallel_graph(
     log.info("captured %s: %d graph nodes, %d parameters and buffers, in %.1f s", type(template.module).__name__,
              len(captured.gm.graph.nodes), len(captured.state_names), captured_s)
     build = Build(captured, options, group, dp_group, generators, overlap=options.overlaps_buckets(device_type),
-                  entry=entry)
+                  entry=entry, experts=experts)
     captured.gm = run_passes(PASSES, captured.gm, build)
     graph = ParallelGraph(captured, build.analysis, build.plan, _single_device_analysis=build.single_device_analysis)
     graph.data_parallel = build.data_parallel
@@ -550,6 +592,11 @@ class GraphFactory:
     device: torch.device
     dp_group: str | None = None
     """The data-parallel process group's name (``options.dp > 1``)."""
+    experts: ExpertGroups | None = None
+    """The expert-parallel groups (``options.ep > 1``)."""
+    _split_experts: frozenset[str] | None = None
+    """The expert parameters the first graph split (stored split by the module): every later graph
+    must split the same ones, or it would read a rank's experts as all of them."""
 
     def build(self, args: tuple, kwargs: dict, *, modes: Mapping[str, bool] | None = None,
               dtypes: Mapping[str, torch.dtype] | None = None, entry: Entry | None = None) -> ParallelGraph:
@@ -562,7 +609,16 @@ class GraphFactory:
             with maybe_disable_local_tensor_mode():  # fake tensors of one rank, never simulated ones
                 self.template.retype(dtypes)
         graph = build_parallel_graph(self.template, args, kwargs, self.options, self.group, self.generators,
-                                     self.dp_group, self.device.type, entry)
+                                     self.dp_group, self.device.type, entry, self.experts)
+        if self.experts is not None:
+            split = graph.data_parallel.experts
+            if self._split_experts is None:
+                self._split_experts = split
+            elif split != self._split_experts:
+                raise ValueError(
+                    f"this call's graph splits the experts {sorted(split)} over the ep ranks, but the module stores "
+                    f"{sorted(self._split_experts)} split (found on its first call): the routing differs between the two "
+                    "calls (another mode or input?); call with inputs like the example's")
         graph.gm.to(self.device)  # index tables the passes added live with the parameters
         return graph
 

@@ -58,7 +58,7 @@ def _build(model, inputs, options: ParallelOptions):
 
 def test_every_pass_requires_only_what_the_start_or_an_earlier_pass_provides():
     fields = {f.name for f in dataclasses.fields(Build)}
-    provided = {"captured", "options", "group", "dp_group", "generators", "overlap", "entry", "val"}
+    provided = {"captured", "options", "group", "dp_group", "generators", "overlap", "entry", "experts", "val"}
     for p in PASSES:
         assert set(p.requires) <= provided, (p.name, set(p.requires) - provided)
         provided |= set(p.adds)

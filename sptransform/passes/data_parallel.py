@@ -51,6 +51,12 @@ class DataParallelPlan:
     """Parameter FQN -> its tensor-parallel-local shape (what a gathered bucket rebuilds)."""
     overlap: bool = True
     """Gradients waited on when the backward ends (the rest of the backward runs meanwhile)."""
+    experts: frozenset[str] = frozenset()
+    """Expert parameters split over the expert-parallel ranks (``passes.expert_parallel``): their
+    gradients, already summed over the ep ranks' tokens, are averaged over ``expert_group``."""
+    expert_group: str | None = None
+    """The ranks holding the same experts (``dp / ep`` of them); the average still divides by ``size``."""
+    ep: int = 1
 
 
 def data_parallel(gm: fx.GraphModule, params: dict[fx.Node, str], plan: DataParallelPlan,
@@ -66,11 +72,11 @@ def data_parallel(gm: fx.GraphModule, params: dict[fx.Node, str], plan: DataPara
     rows = sorted((position[r], layer) for r, layer in layer_rows if r in position)
     ordered = sorted(used, key=lambda p: min(position[u] for u in p.users))  # by first use
     groups = dict(zip(ordered, _by_layer(ordered, rows, position) if rows else _by_size(ordered, bucket_bytes)))
-    buckets: dict[tuple[int, bool], list[fx.Node]] = defaultdict(list)
+    buckets: dict[tuple[int, bool, bool], list[fx.Node]] = defaultdict(list)
     for param in sorted(used, key=position.__getitem__):  # a bucket's members in parameter order
         gathered = plan.zero >= 1 and plan.dims.get(used[param]) is not None
-        buckets[(groups[param], gathered)].append(param)
-    for (layer, gathered), members in sorted(buckets.items()):
+        buckets[(groups[param], gathered, used[param] in plan.experts)].append(param)
+    for (layer, gathered, experts), members in sorted(buckets.items()):
         first_user = min((u for p in members for u in p.users), key=position.__getitem__)
         readers = {p: list(p.users) for p in members}
         with gm.graph.inserting_before(first_user):
@@ -80,7 +86,8 @@ def data_parallel(gm: fx.GraphModule, params: dict[fx.Node, str], plan: DataPara
                                                   [list(plan.local_shapes[n]) for n in names], *members),
                               {"overlap": plan.overlap, "whole_gradient": plan.zero == 1}, members, readers)
             else:
-                insert_bucket(gm, average_grads, (plan.group, plan.size, *members), {"overlap": plan.overlap},
+                group = plan.expert_group if experts else plan.group
+                insert_bucket(gm, average_grads, (group, plan.size, *members), {"overlap": plan.overlap},
                               members, readers)
     gm.graph.lint()
     gm.recompile()

@@ -24,6 +24,7 @@ from typing import Callable, NamedTuple, TypeVar
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
 
 from sptransform.graph.plan import ParamPlacement
 from sptransform.options import ParallelOptions
@@ -33,7 +34,7 @@ from sptransform.runtime.checks import (
 )
 from sptransform.runtime.faults import ReplicaCheck
 from sptransform.runtime.generate import original_class_error
-from sptransform.torch_internals import non_persistent_buffer_names
+from sptransform.torch_internals import non_persistent_buffer_names, resolve_process_group
 from sptransform.runtime.params import (
     call_defaults, device_of, placeholder, placement_of, set_by_path, shard_parameter, unloaded_error,
     unloaded_parameters,
@@ -100,7 +101,7 @@ class ModuleCore(nn.Module):
         self._unloaded: set[str] = set()  # built on meta, not yet loaded (runtime.params)
         # With data parallelism and check_inputs, the replicas meet at every call (runtime.faults).
         # A fake process group (tracing one rank of a large job) has no peers and no store to meet in.
-        dp_group = param_mesh["dp"].get_group() if param_mesh is not None else None
+        dp_group = resolve_process_group(factory.dp_group) if param_mesh is not None else None
         self._replicas = ReplicaCheck(dp_group, options.peer_timeout_s) \
             if dp_group is not None and options.check_inputs and dist.get_backend(dp_group) != "fake" else None
 
@@ -155,8 +156,11 @@ class ModuleCore(nn.Module):
             return param
         placement = placement_of(self._placements.get(name, ParamPlacement(None, "replicated")).storage)
         if self._param_mesh is not None:
-            return shard_parameter(param, [data_parallel_placement(self._data_parallel, name), placement],
-                                   self._param_mesh, self._device)
+            placements = [data_parallel_placement(self._data_parallel, name), placement]
+            if self._options.ep > 1:  # the ("edp", "ep", "tp") mesh: experts split over ep (passes.expert_parallel)
+                experts = self._data_parallel.experts if self._data_parallel is not None else frozenset()
+                placements.insert(1, Shard(0) if name in experts else Replicate())
+            return shard_parameter(param, placements, self._param_mesh, self._device)
         return shard_parameter(param, placement, self._tp_mesh, self._device)
 
     def _finish_state(self, rng_mesh: DeviceMesh | None) -> None:

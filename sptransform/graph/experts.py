@@ -1,0 +1,367 @@
+"""Expert regions: the part of a graph that applies routed experts, found from dataflow, for
+expert parallelism (``passes.expert_parallel``). Matching only; nothing here edits a graph.
+
+A *seed* is an expert parameter (``E`` experts along dim 0) read only by gathers of routing
+indices, ``w[idx]`` (``aten.index.Tensor(w, [idx])``, transformers' ``batched_mm`` experts).
+With the experts split over ``ep`` ranks, a rank gathers its own experts exactly and anything
+(expert 0 of its own, say) for the other token-expert pairs; every tensor computed from it is
+then in one of two states:
+
+* **owned**: its leading ``rows`` dims are the pairs of ``idx`` (one row per pair); the rows of
+  pairs routed to this rank's experts are exact, the others garbage. Ops that compute each
+  row from that row alone keep this (pointwise ops, the per-pair ``bmm``, a linear applied to
+  each row, views, reductions and norms over the other dims).
+* **partial**: the true value is the sum over the ``ep`` ranks. An owned tensor read by any
+  other op is first masked (its garbage rows zeroed), which makes it partial; ops linear in
+  it (scaling by a routing weight, views, sums over the pairs, ``index_add`` into zeros,
+  a matmul by something whole) keep it partial.
+
+A partial tensor read by anything else (the residual add, a norm, the graph output) leaves the
+region: the rewrite sums it over the ranks there. Region nodes that need none of these states
+(``plain``) are the cheap, data-only ops pulled in so that fewer bytes are exchanged (a token
+``repeat_interleave``'d per chosen expert: its tokens are exchanged, not the copies).
+
+    w = placeholder                    # [E, 2I, H]                        (seed)
+    g = index(w, [idx])                # [P, 2I, H]   owned
+    h = bmm(g, x_pairs)                # owned
+    a = mul(silu(h0), h1)              # owned (pointwise)
+    d = bmm(index(w2, [idx]), a)       # owned
+    y = mul(d, weights)                # owned (pointwise, weights whole)
+    z = sum(view(y, [T, k, H]), [1])   # view changes the pair dims: y is masked -> partial
+    out = add(residual, z)             # not linear in z: z is the region's output
+
+What a rank gives the region from outside is either the same on every rank (parameters,
+constants: ``shared``) or its own data (``inputs``: each rank's tokens and routing, exchanged
+by the rewrite)."""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from sptransform.graph.nodes import describe, is_multi_output, is_random, packet, shape_of, tensor_val
+from sptransform.torch_internals import OpOverload, op_schema
+
+aten = torch.ops.aten
+
+OWNED, PARTIAL, PLAIN = "owned", "partial", "plain"
+
+
+@dataclass(eq=False)
+class ExpertRegion:
+    seeds: dict[fx.Node, fx.Node]
+    """Each expert gather ``index(w, [idx])`` -> the parameter placeholder ``w`` it reads."""
+    index: fx.Node
+    """The routing indices of the first seed (the mask of owned rows is computed from them)."""
+    rows: int
+    """Leading dims of an owned tensor that are the token-expert pairs (``index``'s ndim)."""
+    state: dict[fx.Node, str] = field(default_factory=dict)
+    """Region node -> ``OWNED``, ``PARTIAL`` or ``PLAIN``."""
+    nodes: list[fx.Node] = field(default_factory=list)
+    """The region's nodes in graph order."""
+    inputs: list[fx.Node] = field(default_factory=list)
+    """Outside tensors computed from the data: each rank's own, exchanged."""
+    shared: list[fx.Node] = field(default_factory=list)
+    """Outside values the same on every rank (parameters, buffers, constants)."""
+    masked: set[fx.Node] = field(default_factory=set)
+    """Owned nodes read where a partial value is wanted (a region node, or outside)."""
+    outputs: list[fx.Node] = field(default_factory=list)
+    """Owned or partial nodes read outside the region (summed over the ranks there)."""
+
+
+def _norm(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def _dims(value, ndim: int) -> list[int] | None:
+    if value is None:
+        return None
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return [_norm(int(d), ndim) for d in items]
+
+
+def _arg(node: fx.Node, position: int, name: str, default=None):
+    if len(node.args) > position:
+        return node.args[position]
+    return node.kwargs.get(name, default)
+
+
+def _ndim(node) -> int | None:
+    shape = shape_of(node)
+    return None if shape is None else len(shape)
+
+
+def _inplace(node: fx.Node) -> bool:
+    if not isinstance(node.target, OpOverload):
+        return False
+    schema = op_schema(node.target)
+    return schema.name.endswith("_") and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
+_VIEWS_SAME_ROWS = {aten.view, aten.reshape, aten._unsafe_view}
+_COPIES = {aten.clone, aten.contiguous, aten.alias, aten.detach, aten._to_copy, aten.to, aten.type_as,
+           aten.lift_fresh_copy}
+_DIM_AT_1 = {aten.slice, aten.select, aten.narrow, aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax,
+             aten.cumsum, aten.unbind}
+_DIM_AT_2 = {aten.split, aten.split_with_sizes, aten.chunk, aten.unsafe_split}
+_REDUCTIONS = {aten.sum, aten.mean, aten.amax, aten.amin, aten.max, aten.min, aten.argmax, aten.argmin, aten.var,
+               aten.std, aten.logsumexp, aten.var_mean, aten.norm, aten.linalg_vector_norm, aten.prod, aten.all,
+               aten.any}
+_NORMS = {aten.native_layer_norm, aten.layer_norm, aten.rms_norm, aten._fused_rms_norm}
+
+
+def rowwise(node: fx.Node, owned: set[fx.Node], rows: int) -> bool:
+    """Whether ``node`` computes each of its output's first ``rows`` dims' rows from the same rows
+    of its ``owned`` inputs alone (and keeps those dims first): an owned result stays owned."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return node.args[0] in owned
+    if not isinstance(node.target, OpOverload):
+        return False
+    op, args = packet(node), node.args
+    out, first = shape_of(node), args[0] if args else None
+    in_shape = shape_of(first) if isinstance(first, fx.Node) else None
+    lead = lambda s: None if s is None else tuple(s[:rows])  # noqa: E731
+    if op in _COPIES:
+        return first in owned
+    if op in _VIEWS_SAME_ROWS:
+        return first in owned and out is not None and in_shape is not None and lead(out) == lead(in_shape)
+    if op is aten.unsqueeze:
+        return first in owned and out is not None and _norm(args[1], len(out)) >= rows
+    if op is aten.squeeze:
+        if in_shape is None or first not in owned:
+            return False
+        dims = _dims(_arg(node, 1, "dim"), len(in_shape))
+        return min(dims) >= rows if dims else all(s != 1 for s in in_shape[:rows])
+    if op is aten.permute:
+        return first in owned and in_shape is not None and _dims(args[1], len(in_shape))[:rows] == list(range(rows))
+    if op is aten.transpose:
+        return first in owned and in_shape is not None and min(_dims(args[1:3], len(in_shape))) >= rows
+    if op is aten.expand:
+        return first in owned and out is not None and in_shape is not None and len(out) == len(in_shape) \
+            and lead(out) == lead(in_shape)
+    if op in _DIM_AT_1 or op in _DIM_AT_2:
+        position = 1 if op in _DIM_AT_1 else 2
+        dim = _arg(node, position, "dim", 0)
+        return first in owned and in_shape is not None and _norm(dim, len(in_shape)) >= rows \
+            and not any(a in owned for a in node.all_input_nodes if a is not first)
+    if op in _REDUCTIONS:
+        dims = _dims(_arg(node, 1, "dim"), len(in_shape)) if in_shape is not None else None
+        return first in owned and bool(dims) and min(dims) >= rows
+    if op in _NORMS:
+        normalized = args[1]
+        return first in owned and in_shape is not None and len(normalized) <= len(in_shape) - rows \
+            and not any(a in owned for a in node.all_input_nodes if a is not first)
+    if op in (aten.cat, aten.stack):
+        pieces = [t for t in args[0] if isinstance(t, fx.Node)]
+        ndim = (len(out) if op is aten.stack else len(in_shape or ())) if out is not None else 0
+        dim = _arg(node, 1, "dim", 0)
+        reference = shape_of(pieces[0]) if pieces else None
+        return out is not None and _norm(dim, ndim) >= rows and all(
+            shape_of(t) is not None and lead(shape_of(t)) == lead(reference) for t in pieces)
+    if op in (aten.bmm, aten.baddbmm):
+        return rows == 1
+    if op in (aten.mm, aten.addmm, aten.linear, aten.matmul):
+        x, w = (args[1], args[2]) if op is aten.addmm else (args[0], args[1])
+        if x not in owned or _ndim(x) is None or _ndim(x) <= rows:
+            return False
+        if w not in owned:
+            return _ndim(w) is not None and _ndim(w) <= 2 and not any(
+                a in owned for a in node.all_input_nodes if a is not x)
+        return op is aten.matmul and _ndim(w) == _ndim(x) and _ndim(x) >= rows + 2
+    if torch.Tag.pointwise in node.target.tags:
+        return out is not None and all(_ndim(a) == len(out) and lead(shape_of(a)) == lead(out)
+                                       for a in node.all_input_nodes if a in owned)
+    return False
+
+
+_LINEAR_VIEWS = {aten.view, aten.reshape, aten._unsafe_view, aten.permute, aten.transpose, aten.t, aten.unsqueeze,
+                 aten.squeeze, aten.expand, aten.slice, aten.select, aten.narrow, aten.split, aten.split_with_sizes,
+                 aten.chunk, aten.unbind, aten.clone, aten.contiguous, aten.alias, aten.flatten, aten.unflatten,
+                 aten.movedim, aten.repeat, aten.repeat_interleave, aten.index, aten.index_select, aten.gather,
+                 aten.neg, aten.sum, aten.mean, aten.cumsum, aten._to_copy, aten.to, aten.type_as, aten.detach}
+_ZERO_MAKERS = {aten.zeros, aten.zeros_like, aten.new_zeros}
+_FULL_MAKERS = {aten.full, aten.new_full, aten.full_like}
+
+
+def is_zero(node) -> bool:
+    """A tensor made of zeros (a sum's empty start): adding a partial tensor into it stays partial."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return False
+    op = packet(node)
+    if op in _ZERO_MAKERS:
+        return True
+    if op in _FULL_MAKERS:
+        fill = node.args[2] if op is aten.new_full else node.args[1]
+        return isinstance(fill, (int, float)) and fill == 0
+    return False
+
+
+def linear_in_partial(node: fx.Node, partial: set[fx.Node]) -> bool:
+    """Whether ``node``'s result is the sum over ranks of its results on each rank's ``partial``
+    inputs (its other inputs the same on every rank): a partial result."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return node.args[0] in partial
+    if not isinstance(node.target, OpOverload):
+        return False
+    op, args = packet(node), node.args
+    inputs = node.all_input_nodes
+    mine = [a for a in inputs if a in partial]
+    if op in _LINEAR_VIEWS:
+        value = tensor_val(node)
+        if value is not None and not (value.is_floating_point() or value.is_complex()):
+            return False
+        return args[0] in partial and mine == [args[0]] * len(mine)
+    if op is aten.mul or op is aten.div:
+        tensors = [a for a in args[:2] if isinstance(a, fx.Node)]
+        if op is aten.div:
+            return args[0] in partial and not (isinstance(args[1], fx.Node) and args[1] in partial)
+        return sum(t in partial for t in tensors) == 1
+    if op in (aten.add, aten.sub):
+        return all(isinstance(a, fx.Node) and (a in partial or is_zero(a)) for a in args[:2])
+    if op in (aten.mm, aten.bmm, aten.matmul, aten.einsum) or (op is aten.linear and _arg(node, 2, "bias") is None):
+        tensors = args[1] if op is aten.einsum else args[:2]
+        return sum(isinstance(t, fx.Node) and t in partial for t in tensors) == 1
+    if op in (aten.cat, aten.stack):
+        return all(t in partial or is_zero(t) for t in args[0] if isinstance(t, fx.Node))
+    if op in (aten.index_add, aten.scatter_add):
+        source = args[3]
+        return (args[0] in partial or is_zero(args[0])) and source in partial and args[2] not in partial
+    if op is aten.index_put:
+        accumulate = _arg(node, 3, "accumulate", False)
+        return bool(accumulate) and (args[0] in partial or is_zero(args[0])) and args[2] in partial
+    return False
+
+
+def _index_root(node: fx.Node):
+    """Routing indices compared through reshapes: two reshapes of one tensor to one shape are one mask."""
+    start = node
+    while node.op == "call_function" and packet(node) in _VIEWS_SAME_ROWS | {aten.clone, aten.contiguous, aten.alias}:
+        node = node.args[0]
+    return node, shape_of(start)
+
+
+def expert_seeds(gm: fx.GraphModule, params: dict[fx.Node, str]) -> dict[fx.Node, list[fx.Node]]:
+    """Parameters read only by routing gathers ``index(w, [idx])`` (a 1-element index list on dim 0,
+    integer indices) -> those gathers."""
+    seeds = {}
+    for param in params:
+        value = tensor_val(param)
+        if value is None or value.ndim < 2 or not param.users:
+            continue
+        gathers = [u for u in param.users
+                   if u.op == "call_function" and u.target is aten.index.Tensor and u.args[0] is param
+                   and len(u.args[1]) == 1 and isinstance(u.args[1][0], fx.Node)
+                   and tensor_val(u.args[1][0]) is not None and not tensor_val(u.args[1][0]).is_floating_point()
+                   and tensor_val(u.args[1][0]).dtype != torch.bool]
+        if len(gathers) == len(param.users):
+            seeds[param] = gathers
+    return seeds
+
+
+def find_expert_regions(gm: fx.GraphModule, params: dict[fx.Node, str],
+                        data: set[fx.Node]) -> tuple[list[ExpertRegion], list[str]]:
+    """The expert regions of ``gm`` (module docstring) and the problems that keep one from being
+    split (each naming the node). ``params``: parameter placeholders -> FQN; ``data``: nodes
+    computed from the user's inputs (the rest is the same on every rank)."""
+    seeds = expert_seeds(gm, params)
+    regions: dict[tuple, ExpertRegion] = {}
+    where: dict[fx.Node, ExpertRegion] = {}
+    for param, gathers in seeds.items():
+        for gather in gathers:
+            idx = gather.args[1][0]
+            region = regions.setdefault(_index_root(idx), ExpertRegion(seeds={}, index=idx, rows=_ndim(idx) or 1))
+            region.seeds[gather] = param
+            region.state[gather] = OWNED
+            where[gather] = region
+    problems: list[str] = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node in where:
+            continue
+        mine = {where[a] for a in node.all_input_nodes if a in where}
+        if not mine:
+            continue
+        if len(mine) > 1:
+            problems.append(f"{describe(node)} mixes the outputs of two expert layers routed by different indices")
+            continue
+        (region,) = mine
+        owned = {a for a in node.all_input_nodes if region.state.get(a) == OWNED}
+        partial = {a for a in node.all_input_nodes if region.state.get(a) == PARTIAL}
+        if is_random(node):
+            problems.append(f"{describe(node)} draws random numbers inside the experts: every rank would compute "
+                            "every rank's tokens with its own draws")
+            continue
+        state = None
+        if not partial and rowwise(node, owned, region.rows):
+            state = OWNED
+        elif linear_in_partial(node, partial | owned):
+            state = PARTIAL
+            region.masked |= owned
+        if state is None:  # outside: what it reads of the region is summed over the ranks first
+            region.masked |= owned
+            continue
+        if _inplace(node) and region.state.get(node.args[0]) is None:
+            problems.append(f"{describe(node)} writes in place into a tensor from outside the experts, from their "
+                            "output; expert parallelism cannot split that")
+            continue
+        region.state[node] = state
+        where[node] = region
+    for region in regions.values():
+        _finish(gm, region, data)
+    return list(regions.values()), problems
+
+
+def _finish(gm: fx.GraphModule, region: ExpertRegion, data: set[fx.Node]) -> None:
+    """Outputs, inputs, and the data-only ops pulled in to exchange fewer bytes."""
+    inside = set(region.state)
+    region.outputs = [n for n in gm.graph.nodes if n in inside and any(u not in inside for u in n.users)]
+    region.masked |= {n for n in region.outputs if region.state[n] == OWNED}
+    changed = True
+    while changed:  # pull in a data-only producer that no one else reads and that does not shrink its input
+        changed = False
+        for node in list(_outside_inputs(region, inside)):
+            if node not in data or not _pullable(node, inside):
+                continue
+            region.state[node] = PLAIN
+            inside.add(node)
+            changed = True
+    region.nodes = [n for n in gm.graph.nodes if n in inside]
+    outside = _outside_inputs(region, inside)
+    region.inputs = [n for n in outside if n in data]
+    region.shared = [n for n in outside if n not in data]
+
+
+def _outside_inputs(region: ExpertRegion, inside: set[fx.Node]) -> list[fx.Node]:
+    seen = {}
+    for node in inside:
+        for a in node.all_input_nodes:
+            if a not in inside:
+                seen[a] = None
+    return list(seen)
+
+
+def _pullable(node: fx.Node, inside: set[fx.Node]) -> bool:
+    if node.op != "call_function" or is_multi_output(node) or node.target is operator.getitem:
+        return False
+    if _inplace(node) or is_random(node) or any(u not in inside for u in node.users):
+        return False
+    tensors = [a for a in node.all_input_nodes if tensor_val(a) is not None]
+    value = tensor_val(node)
+    if len(tensors) != 1 or value is None:
+        return False
+    return tensor_val(tensors[0]).numel() <= value.numel()
+
+
+def data_nodes(gm: fx.GraphModule, user_inputs) -> set[fx.Node]:
+    """Nodes whose values are computed from ``user_inputs`` (placeholders): differ from rank to rank."""
+    found = set(user_inputs)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and any(a in found for a in node.all_input_nodes):
+            found.add(node)
+    return found

@@ -1,0 +1,172 @@
+"""Expert parallelism on the graph: each rank of an ``ep`` group stores ``E/ep`` of every routed
+expert layer's experts and applies them to the tokens of all ``ep`` ranks (which train on
+their own batches, as data-parallel replicas do): the static-shape dispatch, with no token
+dropped and no shape that depends on the routing.
+
+The regions come from ``graph.experts.find_expert_regions``; for each, every rank exchanges
+the region's data inputs (all-gather: each rank's tokens, routing indices and weights), runs
+the region once per source rank on that rank's data with its own experts (the pairs routed
+elsewhere masked to zero), and the per-source results are reduce-scattered, so each rank gets
+its own tokens' outputs summed over the ranks that hold their experts:
+
+    before:  g = index(w, [idx]); h = bmm(g, x); ...; z = sum(view(y, [T, k, H]), [1])
+             out = add(residual, z)
+    after:   X = gather_seq(unsqueeze(x, 0), 0, ep)          # [ep, ...] every rank's x
+             I = gather_seq(unsqueeze(idx, 0), 0, ep)        # (and every other data input)
+             # for s in 0..ep-1, on source rank s's data:
+             i_s = select(I, 0, s); m_s = (i_s >= lo) & (i_s < hi)
+             g_s = index(w_local, [where(m_s, i_s - lo, 0)])  # this rank's experts only
+             h_s = bmm(g_s, select(X, 0, s)); ...
+             z_s = sum(view(where(m_s, y_s, 0), [T, k, H]), [1])
+             z = squeeze(scatter_seq(stack([z_0, ..., z_{ep-1}]), 0, ep), 0)
+             out = add(residual, z)
+
+Forward, a rank sends its data inputs to the other ``ep - 1`` ranks and receives theirs, and
+reduce-scatters ``ep`` outputs; backward, the conjugates (``gather_seq``/``scatter_seq``) send
+the gradients back the same way. The expert parameters' gradients are then this rank's
+experts' gradients over every rank's tokens; the data-parallel pass averages them over the
+ranks that hold the same experts (``DataParallelPlan.expert_group``). Edits ``gm`` in place;
+new nodes carry ``val`` (a copy's is its original's: the same shapes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from sptransform.graph.experts import OWNED, ExpertRegion
+from sptransform.graph.nodes import shape_of, tensor_val
+from sptransform.runtime.collectives import gather_seq, scatter_seq
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """Where a rank's experts live: its expert-parallel group and the group of ranks holding the same experts."""
+
+    group: str
+    """The expert-parallel process group's name (``ep`` ranks, each with its own batch)."""
+    rank: int
+    """This rank's position in ``group``."""
+    replicas: str
+    """The process group of the ``dp / ep`` ranks that hold the same experts (their gradients' average)."""
+
+
+@dataclass(frozen=True)
+class ExpertParallelPlan:
+    group: str
+    """The expert-parallel process group's name (ranks that split one set of experts)."""
+    size: int
+    rank: int
+    """This rank's position in the group: it holds experts ``[rank * E/size, (rank + 1) * E/size)``."""
+    experts: dict[str, int]
+    """Expert parameter FQN -> the number of experts (its dim 0, whole)."""
+
+
+def _with_val(node: fx.Node, value) -> fx.Node:
+    if value is not None:
+        node.meta["val"] = value
+    return node
+
+
+def _fake(fn, *values):
+    try:
+        return fn(*values) if all(v is not None for v in values) else None
+    except Exception:  # a value we cannot work out leaves the node without one (as capture may)
+        return None
+
+
+def expert_parallel(gm: fx.GraphModule, regions: list[ExpertRegion], params: dict[fx.Node, str],
+                    plan: ExpertParallelPlan) -> fx.GraphModule:
+    """Rewrite each region as the module docstring shows; ``params``: parameter placeholders -> FQN."""
+    for region in regions:
+        _rewrite(gm, region, params, plan)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _rewrite(gm: fx.GraphModule, region: ExpertRegion, params: dict[fx.Node, str], plan: ExpertParallelPlan) -> None:
+    graph, ep = gm.graph, plan.size
+    inside = set(region.state)
+    env: list[dict[fx.Node, fx.Node]] = [{} for _ in range(ep)]
+    gathered: dict[fx.Node, fx.Node] = {}
+    selected: dict[tuple[fx.Node, int], fx.Node] = {}
+    masks: list[fx.Node | None] = [None] * ep
+    masked: dict[tuple[fx.Node, int], fx.Node] = {}
+
+    def call(target, args, value=None) -> fx.Node:
+        return _with_val(graph.call_function(target, tuple(args)), value)
+
+    def mask_of(a: fx.Node, s: int) -> fx.Node:
+        """Copy ``s``'s value of the owned node ``a`` with the rows of other ranks' experts zeroed."""
+        if (a, s) not in masked:
+            value = tensor_val(a)
+            shape = list(shape_of(masks[s]) or ()) + [1] * (value.ndim - region.rows)
+            cond = call(aten.view.default, (masks[s], shape))
+            masked[(a, s)] = call(aten.where.ScalarOther, (cond, env[s][a], 0.0), value)
+        return masked[(a, s)]
+
+    def source(a: fx.Node, s: int, consumer_owned: bool) -> fx.Node:
+        if a in inside:
+            return env[s][a] if consumer_owned or region.state[a] != OWNED else mask_of(a, s)
+        if a in gathered:
+            if (a, s) not in selected:
+                selected[(a, s)] = call(aten.select.int, (gathered[a], 0, s), tensor_val(a))
+            return selected[(a, s)]
+        return a  # the same on every rank
+
+    for node in region.nodes:
+        with graph.inserting_before(node):
+            for a in node.all_input_nodes:
+                if a in region.inputs and a not in gathered:
+                    value = tensor_val(a)
+                    up = call(aten.unsqueeze.default, (a, 0), _fake(lambda v: v.unsqueeze(0), value))
+                    stacked = _fake(lambda v: v.unsqueeze(0).expand(ep, *v.shape).contiguous(), value)
+                    gathered[a] = call(gather_seq, (up, 0, plan.group), stacked)
+            owned = region.state[node] == OWNED
+            for s in range(ep):
+                if node in region.seeds:
+                    env[s][node] = _local_gather(graph, node, region.seeds[node], params, plan,
+                                                 source(node.args[1][0], s, True), masks, s, call)
+                else:
+                    copy = graph.node_copy(node, lambda a, s=s: source(a, s, owned))
+                    copy.meta = dict(node.meta)
+                    env[s][node] = copy
+    for out in region.outputs:
+        users = [u for u in out.users if u not in inside]
+        first = min(users, key=lambda u: _position(graph, u))
+        with graph.inserting_before(first):
+            value = tensor_val(out)
+            pieces = [mask_of(out, s) if region.state[out] == OWNED else env[s][out] for s in range(ep)]
+            stacked = call(aten.stack.default, (pieces, 0), _fake(lambda v: v.unsqueeze(0).expand(ep, *v.shape), value))
+            reduced = call(scatter_seq, (stacked, 0, plan.group), _fake(lambda v: v.unsqueeze(0), value))
+            result = call(aten.squeeze.dim, (reduced, 0), value)
+        for user in users:
+            user.replace_input_with(out, result)
+    for node in reversed(region.nodes):
+        graph.erase_node(node)
+
+
+def _position(graph: fx.Graph, node: fx.Node) -> int:
+    for i, n in enumerate(graph.nodes):
+        if n is node:
+            return i
+    raise KeyError(node.name)
+
+
+def _local_gather(graph, node, param, params, plan, idx, masks, s, call) -> fx.Node:
+    """``index(w, [idx])`` on this rank's experts ``[lo, hi)``: local indices where owned, 0 elsewhere."""
+    per_rank = plan.experts[params[param]] // plan.size
+    lo = plan.rank * per_rank
+    value = tensor_val(idx)
+    below = call(aten.ge.Scalar, (idx, lo), _fake(lambda v: v >= lo, value))
+    above = call(aten.lt.Scalar, (idx, lo + per_rank), _fake(lambda v: v < lo, value))
+    mask = call(aten.logical_and.default, (below, above), _fake(lambda v: v >= 0, value))
+    if masks[s] is None:
+        masks[s] = mask
+    shifted = call(aten.sub.Tensor, (idx, lo), value)
+    local = call(aten.where.ScalarOther, (mask, shifted, 0), value)
+    return call(aten.index.Tensor, (param, [local]), tensor_val(node))
