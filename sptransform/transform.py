@@ -313,8 +313,13 @@ def _add_data_parallel(gm: fx.GraphModule, build: Build) -> PassResult:
         placement = placements.get(name)
         storage = placement.storage if placement is not None else None
         shape = list(node.meta["val"].shape)
-        if build.expert_parallel is not None and name in build.expert_parallel.experts:
+        expert = build.expert_parallel is not None and name in build.expert_parallel.experts
+        if expert:  # this rank's experts, in pieces over the dp / ep ranks holding the same ones
             shape[0] //= options.ep
+            local_shapes[name] = tuple(shape)
+            replicas = options.dp // options.ep
+            dims[name] = zero_dim(tuple(shape), 0, replicas) if options.zero >= 1 and replicas > 1 else None
+            continue
         if storage is not None:
             if placement.padded_rows is not None:  # uneven over the tensor-parallel ranks: kept whole over dp
                 dims[name] = None

@@ -82,9 +82,11 @@ def data_parallel(gm: fx.GraphModule, params: dict[fx.Node, str], plan: DataPara
         with gm.graph.inserting_before(first_user):
             if gathered:
                 names = [used[p] for p in members]
-                insert_bucket(gm, gather_params, (plan.group, plan.size, [plan.dims[n] for n in names],
+                group, size = (plan.expert_group, plan.size // plan.ep) if experts else (plan.group, plan.size)
+                insert_bucket(gm, gather_params, (group, size, [plan.dims[n] for n in names],
                                                   [list(plan.local_shapes[n]) for n in names], *members),
-                              {"overlap": plan.overlap, "whole_gradient": plan.zero == 1}, members, readers)
+                              {"overlap": plan.overlap, "whole_gradient": plan.zero == 1, "divisor": plan.size},
+                              members, readers)
             else:
                 group = plan.expert_group if experts else plan.group
                 insert_bucket(gm, average_grads, (group, plan.size, *members), {"overlap": plan.overlap},

@@ -24,7 +24,7 @@ from typing import Callable, NamedTuple, TypeVar
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Shard
 
 from sptransform.graph.plan import ParamPlacement
 from sptransform.options import ParallelOptions
@@ -157,9 +157,12 @@ class ModuleCore(nn.Module):
         placement = placement_of(self._placements.get(name, ParamPlacement(None, "replicated")).storage)
         if self._param_mesh is not None:
             placements = [data_parallel_placement(self._data_parallel, name), placement]
-            if self._options.ep > 1:  # the ("edp", "ep", "tp") mesh: experts split over ep (passes.expert_parallel)
+            if self._options.ep > 1:
+                # The ("edp", "ep", "tp") mesh: experts split over ep (passes.expert_parallel), their ZeRO
+                # pieces over edp; anything else's ZeRO pieces over both, edp outer: rank (i, j) holds
+                # piece i * ep + j, its data-parallel rank's (runtime.mesh.expert_mesh).
                 experts = self._data_parallel.experts if self._data_parallel is not None else frozenset()
-                placements.insert(1, Shard(0) if name in experts else Replicate())
+                placements.insert(1, Shard(0) if name in experts else placements[0])
             return shard_parameter(param, placements, self._param_mesh, self._device)
         return shard_parameter(param, placement, self._tp_mesh, self._device)
 

@@ -56,8 +56,9 @@ def _rebuild(gathered: torch.Tensor, pieces, size: int, dims, shapes) -> list[to
 
 class _GatherParams(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, group, size, dims, shapes, overlap, whole_gradient, *pieces):
+    def forward(ctx, group, size, dims, shapes, overlap, whole_gradient, divisor, *pieces):
         ctx.group, ctx.size, ctx.dims, ctx.shapes, ctx.overlap = group, size, dims, shapes, overlap
+        ctx.divisor = divisor
         ctx.rank = _group_rank(group) if whole_gradient else None
         ctx.piece_shapes = [p.shape for p in pieces]
         ctx.dtypes = [p.dtype for p in pieces]
@@ -77,7 +78,7 @@ class _GatherParams(torch.autograd.Function):
             pieces.append(split.reshape(ctx.size, -1))
         # divided before the sum, so that with ``overlap`` the pieces are views of the collective's
         # own (unwaited) result; for a power-of-two group the two orders give the same bits
-        flat = torch.cat(pieces, dim=1).reshape(-1) / ctx.size
+        flat = torch.cat(pieces, dim=1).reshape(-1) / ctx.divisor
         if ctx.rank is not None:
             # ZeRO-1: the whole average, as zero=0 computes it, then this rank's row [rank k's
             # pieces] copied out, so that the whole bucket is freed here (waited on at once)
@@ -89,7 +90,7 @@ class _GatherParams(torch.autograd.Function):
             n = piece_shape.numel()
             out.append(local[offset: offset + n].view(piece_shape))
             offset += n
-        return (None, None, None, None, None, None, *out)
+        return (None, None, None, None, None, None, None, *out)
 
 
 def _group_rank(group: str) -> int:
@@ -104,12 +105,14 @@ def _group_rank(group: str) -> int:
 
 
 def gather_params(group: str, size: int, dims: list[int], shapes: list[list[int]], *pieces: torch.Tensor,
-                  overlap: bool = False, whole_gradient: bool = False):
+                  overlap: bool = False, whole_gradient: bool = False, divisor: int | None = None):
     """The full (tensor-parallel-local) parameters of one bucket, from this rank's pieces; their
     gradients reduce-scattered back (with ``overlap``, waited on when the backward ends), or with
-    ``whole_gradient`` (ZeRO-1) all-reduced whole and this rank's piece kept."""
+    ``whole_gradient`` (ZeRO-1) all-reduced whole and this rank's piece kept; divided by
+    ``divisor`` (default ``size``: the average over the group; expert parameters' gradients,
+    already summed over the expert-parallel ranks, by all ``dp`` replicas)."""
     return _GatherParams.apply(group, size, tuple(dims), tuple(tuple(s) for s in shapes), overlap, whole_gradient,
-                               *pieces)
+                               size if divisor is None else divisor, *pieces)
 
 
 _REGATHER = object()  # a constant marker: what ``Regather.pack`` stores for a gathered parameter
