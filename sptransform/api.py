@@ -128,7 +128,7 @@ def parallelize(
     exchanged by an all-gather before the experts and a reduce-scatter after them (no token
     dropped; ``passes.expert_parallel``). Parameters are DTensors on an ``("edp", "ep", "tp")``
     mesh, experts ``Shard(0)`` on ``ep``; expert gradients are averaged over the ``dp / ep`` ranks
-    holding the same experts. So far with ``tp=1``, ``pp=1``, ``zero=0``.
+    holding the same experts. So far with ``tp=1``.
 
     ``dp_loss`` (``dp > 1``): ``"tokens"`` weights each replica's gradient by its count of
     non-ignored targets where the loss is a token mean found on the graph (single-device
@@ -211,17 +211,18 @@ def _meshes(options: ParallelOptions, pipeline: PipelineOptions | None, mesh, de
     if local_tensor_mode() is not None:
         raise ValueError("dp > 1 needs real ranks (torchrun, gloo or nccl): simulated ranks run tensor "
                          "parallelism only; use sptransform.verify(model, tp=...) for the tensor-parallel part")
-    if options.ep > 1 and (pp > 1 or mesh is not None):
-        raise ValueError(f"ep={options.ep} with " + ("pp=%d" % pp if pp > 1 else "mesh=") + ": expert parallelism "
-                         "builds its own mesh and runs without pipeline stages so far; use pp=1 and mesh=None")
+    if options.ep > 1 and mesh is not None:
+        raise ValueError(f"ep={options.ep} with mesh=: expert parallelism builds its own (edp, ep, pp, tp) mesh over "
+                         "the whole process group so far; leave mesh=None")
     full = resolve_mesh(options.dp, pp, options.tp, mesh, device)
     if mesh is None and options.peer_timeout_s is not None:  # a group of ours: replicas wait peer_timeout_s
         set_group_timeout(full["dp"].get_group(), datetime.timedelta(seconds=options.peer_timeout_s))
     if options.ep > 1:
-        ep_mesh = expert_mesh(options.dp, options.ep, device)
+        ep_mesh = expert_mesh(options.dp, options.ep, pp, device)
         groups = ExpertGroups(group=ep_mesh["ep"].get_group().group_name, rank=ep_mesh["ep"].get_local_rank(),
                               replicas=ep_mesh["edp"].get_group().group_name)
-        return _Meshes(full["tp"], None, ep_mesh, full, full["dp"].get_group().group_name, groups)
+        return _Meshes(full["tp"], full["pp", "tp"] if pp > 1 else None, ep_mesh["edp", "ep", "tp"], full,
+                       full["dp"].get_group().group_name, groups)
     return _Meshes(full["tp"], full["pp", "tp"] if pp > 1 else None, full["dp", "tp"], full,
                    full["dp"].get_group().group_name)
 

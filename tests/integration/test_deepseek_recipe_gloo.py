@@ -1,15 +1,16 @@
 """The DeepSeek-V3 memory chapter's recipe as one ``parallelize`` call, on 4 real gloo ranks: a
 shrunk transformers ``deepseek_v3`` (4 layers of MLA attention: three with a dense MLP, the last
 with routed + shared experts) with no tensor parallelism, 2 pipeline stages per rank on the DualPipeV schedule (V
-placement: the embedding and the head on rank 0), ZeRO-1 over 2 data-parallel replicas,
-``recompute="norm_upproj"`` and an fp32 EMA of the weights in host memory.
+placement: the embedding and the head on rank 0), ZeRO-1 over 2 data-parallel replicas, the
+routed experts split over those 2 replicas (``ep=2``: each holds 2 of the 4, tokens exchanged by
+all-gather and reduce-scatter), ``recompute="norm_upproj"`` and an fp32 EMA of the weights in
+host memory.
 
 It trains like the original on the global batch (float64; loss, every gradient, the parameters
 and the EMA after 3 AdamW steps), and each rank's memory is measured bucket by bucket (weights,
 gradients, optimizer state, EMA, activations kept for backward) and checked against the planner's
 formulas for this layout (``planner.memory.model_state_bytes``), the buckets the chapter adds up.
-``python -m pytest -s`` prints the table the README quotes. Expert parallelism (``ep``), the
-recipe's remaining part, is not built yet."""
+``python -m pytest -s`` prints the table the README quotes."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import sweep_transformers as sweep  # noqa: E402  (shrunk as the sweep shrinks it)
 
-DP, PP, MICROBATCHES, PER_REPLICA, SEQ, STEPS = 2, 2, 4, 8, 16, 3
+DP, EP, PP, MICROBATCHES, PER_REPLICA, SEQ, STEPS = 2, 2, 2, 4, 8, 16, 3
 BUCKETS = ("weights", "gradients", "optimizer", "ema")
 
 
@@ -70,7 +71,7 @@ def _train(rank: int) -> dict:
     replica = rank // PP
     local = [ids[replica * PER_REPLICA:(replica + 1) * PER_REPLICA] for ids in data]
     example = dict(input_ids=local[0], labels=local[0])
-    recipe = dict(tp=1, dp=DP, pp=PP, schedule="dualpipev", n_microbatches=MICROBATCHES, zero=1)
+    recipe = dict(tp=1, dp=DP, ep=EP, pp=PP, schedule="dualpipev", n_microbatches=MICROBATCHES, zero=1)
     pm = sptransform.parallelize(model, recompute="norm_upproj", example_inputs=example, **recipe)
     plain = sptransform.parallelize(copy.deepcopy(ref), recompute="none", example_inputs=example, **recipe)
     ema, ref_ema = HostEMA(pm, decay=0.9), HostEMA(ref, decay=0.9)
@@ -102,7 +103,13 @@ def _train(rank: int) -> dict:
         piece = distribute_tensor(ref_shadow[name], p.device_mesh, p.placements).to_local()
         torch.testing.assert_close(shadow[name], piece, rtol=1e-6, atol=1e-7)
     state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+    from torch.distributed.tensor import Shard
+
+    # on the ("edp", "ep", "tp") mesh experts are Shard(0) on ep; the rest's ZeRO pieces are alike on edp and ep
+    experts = {name: p for name, p in held.items() if p.placements[1] == Shard(0) != p.placements[0]}
     return dict(
+        experts=sorted(experts), expert_local=_local_bytes(experts.values()),
+        expert_whole=sum(p.numel() * p.element_size() for p in experts.values()),
         params=sum(p.numel() for p in held.values()),  # whole parameters (a DTensor's global size)
         weights=_local_bytes(held.values()), gradients=grads, optimizer=_local_bytes(state),
         ema=sum(t.numel() * t.element_size() for t in shadow.values()),
@@ -144,5 +151,10 @@ def test_deepseek_v3_recipe_trains_like_one_device_and_its_memory_matches_the_fo
             assert r[bucket] == pytest.approx(getattr(planned, bucket), rel=0.05), (rank, bucket, r[bucket])
         assert r["ema_on_device"] == 0
         assert r["activations"] < r["activations_none"], (rank, r["activations"], r["activations_none"])
+    # the MoE layer (the last) is on pipeline rank 0, its 3 expert tensors split over the ep ranks
+    counts = [len(results[rank]["experts"]) for rank in sorted(results)]
+    assert counts[0] > 0 and counts == [counts[0], 0, counts[0], 0], results
+    assert all(".experts." in name for name in results[0]["experts"]), results[0]["experts"]
+    assert results[0]["expert_local"] * EP == results[0]["expert_whole"]
     # V placement: stages 0 and 3 (embedding and head) on pipeline rank 0, 1 and 2 on rank 1
     assert results[0]["stages"] == [0, 3] and results[1]["stages"] == [1, 2]
