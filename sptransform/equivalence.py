@@ -90,6 +90,7 @@ class VerifyReport:
     sp: bool = True
     pp: int = 1
     dp: int = 1
+    ep: int = 1
     steps: int = 1
     rtol: float = 1e-4
     recompute: str | float | int = "none"
@@ -122,7 +123,7 @@ class VerifyReport:
 
     def __str__(self) -> str:
         layout = (f"tp={self.tp}" + (f" pp={self.pp}" if self.pp > 1 else "") + (f" dp={self.dp}" if self.dp > 1 else "")
-                  + f" sp={self.sp}"
+                  + (f" ep={self.ep}" if self.ep > 1 else "") + f" sp={self.sp}"
                   + (f" recompute={self.recompute!r} compile={self.compile!r}" if self.recompute != "none" else ""))
         lines = [f"sptransform.verify: {layout}, {self.engine}, {self.steps} SGD step{'s' if self.steps != 1 else ''}, "
                  f"rtol {self.rtol:g}"]
@@ -165,6 +166,7 @@ def verify(
     sp: bool = True,
     pp: int = 1,
     dp: int = 1,
+    ep: int = 1,
     example_inputs: Any = None,
     steps: int = 1,
     rtol: float = 1e-4,
@@ -178,7 +180,8 @@ def verify(
     ``model`` is never modified (both sides run copies, ``faithful_deepcopy``). ``example_inputs``
     takes the forms ``parallelize`` takes (tuple of args, dict of kwargs, ``(args, kwargs)``);
     omitted, token ids as ``parallelize`` builds them (``api.default_token_ids``: ``[2, 8*tp]``,
-    ``dp`` such batches with ``dp > 1``), passed as the first input, plus ``labels=`` the same
+    ``dp`` such batches with ``dp > 1``; ``ep`` splits the experts over groups of ``ep`` of
+    them, as ``parallelize``'s), passed as the first input, plus ``labels=`` the same
     ids when ``forward`` takes ``labels`` (HF), so that the model computes its loss. The same
     inputs run every step.
 
@@ -261,7 +264,7 @@ def verify(
     as before the call when it returns or raises.
     """
     _check_arguments(model, tp=tp, sp=sp, pp=pp, dp=dp, steps=steps, rtol=rtol, timeout_s=timeout_s,
-                     processes=processes, recompute=recompute, compile=compile)
+                     processes=processes, recompute=recompute, compile=compile, ep=ep)
     if local_tensor_mode() is not None:
         raise ValueError("sptransform.verify was called inside an active LocalTensorMode: call it outside")
     on_group = dist.is_available() and dist.is_initialized()
@@ -284,14 +287,14 @@ def verify(
         torch.manual_seed(SEED)
         begin("single device")
         args, kwargs, notes = _inputs(model, example_inputs, tp, dp)
-        fields = dict(tp=tp, sp=sp, pp=pp, dp=dp, steps=steps, rtol=rtol, recompute=recompute, compile=compile)
+        fields = dict(tp=tp, sp=sp, pp=pp, dp=dp, ep=ep, steps=steps, rtol=rtol, recompute=recompute, compile=compile)
         if pp > 1 and model.training:
             model = faithful_deepcopy(model).eval()
             notes.append("pp > 1: pipeline ranks draw dropout masks per microbatch and per process, which no "
                          "single-device run reproduces: compared in eval() mode (dropout off)")
         ref, loss_name = run_reference(model, args, kwargs, steps, dp=dp)
         begin("parallel ranks")
-        case = ParallelCase(model, args, kwargs, tp=tp, sp=sp, pp=pp, dp=dp, steps=steps, loss=loss_name,
+        case = ParallelCase(model, args, kwargs, tp=tp, sp=sp, pp=pp, dp=dp, ep=ep, steps=steps, loss=loss_name,
                             n_microbatches=_microbatches(args, kwargs, pp, dp), recompute=recompute,
                             compile=compile)
         run, fields["ranks"], fields["processes"], fields["backend"] = _run_parallel(
@@ -371,10 +374,10 @@ def _microbatches(args: tuple, kwargs: dict, pp: int, dp: int) -> int:
 
 
 def _check_arguments(model, *, tp, sp, pp, dp, steps, rtol, timeout_s, processes, recompute="none",
-                     compile="inductor") -> None:
+                     compile="inductor", ep=1) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"verify expects an nn.Module, got {type(model).__name__}")
-    for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("steps", steps)):
+    for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("ep", ep), ("steps", steps)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
         if value < 1:

@@ -80,6 +80,8 @@ class ParallelCase:
     sp: bool = True
     pp: int = 1
     dp: int = 1
+    ep: int = 1
+    """Expert parallelism over groups of ``ep`` of the ``dp`` ranks."""
     steps: int = 1
     loss: str = ""
     """The reference's choice of what to back-propagate (``"loss"``, ``"sum(logits)"``); pp > 1
@@ -274,7 +276,7 @@ def _train(case: ParallelCase, model: nn.Module) -> tuple[Record, str | None]:
     args, kwargs = split_batch(case.args, case.kwargs, case.dp)[group]
     whole_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     try:
-        pm = parallelize(model, tp=case.tp, sp=case.sp, pp=case.pp, dp=case.dp, example_inputs=(args, kwargs),
+        pm = parallelize(model, tp=case.tp, sp=case.sp, pp=case.pp, dp=case.dp, ep=case.ep, example_inputs=(args, kwargs),
                          **options)
     except (ValueError, TypeError) as error:
         raise _Refused(str(error)) from error

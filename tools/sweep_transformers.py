@@ -545,16 +545,28 @@ def _takes(model, name: str) -> bool:
         return False
 
 
-def run_verify(model, inputs, *, tp: int, sp: bool, processes: bool = False, pp: int = 1,
-               recompute: str | float | int = "none", compile: str = "inductor", rtol: float = 1e-4) -> dict:
+def run_verify(model, inputs, *, tp: int, sp: bool, processes: bool = False, pp: int = 1, dp: int = 1, ep: int = 1,
+               recompute: str | float | int = "none", compile: str = "inductor", rtol: float = 1e-4,
+               experts: str | None = None) -> dict:
     """``sptransform.verify`` of one layout, as a JSON-able dict (``status``: equal / different /
-    refused / error). ``pp > 1`` and a ``recompute`` need real processes (``processes=True``)."""
+    refused / error). ``pp > 1``, ``dp > 1`` and a ``recompute`` need real processes
+    (``processes=True``). ``experts``: run a copy of an MoE model with this
+    ``experts_implementation`` (expert parallelism splits ``batched_mm`` experts)."""
+    import copy
+
     import sptransform
 
+    if experts is not None and hasattr(model, "set_experts_implementation") and \
+            getattr(model.config, "_experts_implementation", None) not in (None, experts):
+        model = copy.deepcopy(model)
+        try:
+            model.set_experts_implementation(experts)
+        except Exception:  # a model whose experts have no such implementation runs as it is
+            pass
     start = time.monotonic()
     try:
-        report = sptransform.verify(model, tp=tp, sp=sp, pp=pp, example_inputs=inputs, processes=processes,
-                                    recompute=recompute, compile=compile, rtol=rtol)
+        report = sptransform.verify(model, tp=tp, sp=sp, pp=pp, dp=dp, ep=ep, example_inputs=inputs,
+                                    processes=processes, recompute=recompute, compile=compile, rtol=rtol)
     except TimeoutError as error:  # verify's own limit (timeout_s) on its spawned processes
         return {"status": "timeout", "reason": f"TimeoutError: {_first_line(error)}",
                 "seconds": time.monotonic() - start}
@@ -668,7 +680,7 @@ def worker(model_type: str, class_name: str, target: Target, result_path: str, e
 
 # -- the sweep: one subprocess per family -------------------------------------------------------
 
-COLUMNS = (("tp2_sp", "tp=2+SP"), ("tp4", "tp=4"), ("pp2", "pp=2"),
+COLUMNS = (("tp2_sp", "tp=2+SP"), ("tp4", "tp=4"), ("pp2", "pp=2"), ("ep2", "dp=2, ep=2"),
            ("recompute", "tp=2+SP, recompute selective"), ("budget", "tp=2+SP, recompute budget 0.5"))
 """Result key and column title of each verify run (``LAYOUTS``: its arguments)."""
 
@@ -677,13 +689,15 @@ LAYOUTS: dict[str, dict] = {
     "tp4": dict(tp=4, sp=False),
     # two pipeline stages on one tensor-parallel rank each: the cut between blocks alone
     "pp2": dict(tp=1, sp=False, pp=2),
+    # experts split over 2 data-parallel ranks (MoE families, their experts as batched_mm)
+    "ep2": dict(tp=1, sp=False, dp=2, ep=2, experts="batched_mm"),
     # the partitioned forward and backward compiled by inductor (issue 24: its layouts)
     "recompute": dict(tp=2, sp=True, recompute="selective", compile="inductor"),
     "budget": dict(tp=2, sp=True, recompute=0.5, compile="inductor"),
 }
 """Column key -> ``run_verify``'s layout arguments."""
 
-REAL_RANKS_ONLY = frozenset({"pp2", "recompute", "budget"})
+REAL_RANKS_ONLY = frozenset({"pp2", "ep2", "recompute", "budget"})
 """Columns that run on real gloo processes whatever ``--processes`` says: simulated ranks run
 neither torch's pipelining nor AOTAutograd (which partitions and compiles for ``recompute``)."""
 

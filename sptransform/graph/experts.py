@@ -126,7 +126,7 @@ def rowwise(node: fx.Node, owned: set[fx.Node], rows: int) -> bool:
     out, first = shape_of(node), args[0] if args else None
     in_shape = shape_of(first) if isinstance(first, fx.Node) else None
     lead = lambda s: None if s is None else tuple(s[:rows])  # noqa: E731
-    if op in _COPIES:
+    if op in _COPIES or (op in _DROPOUTS and not _draws(node)):  # (a dropout that draws is refused)
         return first in owned
     if op in _VIEWS_SAME_ROWS:
         return first in owned and out is not None and in_shape is not None and lead(out) == lead(in_shape)
@@ -179,7 +179,7 @@ def rowwise(node: fx.Node, owned: set[fx.Node], rows: int) -> bool:
     return False
 
 
-_LINEAR_VIEWS = {aten.view, aten.reshape, aten._unsafe_view, aten.permute, aten.transpose, aten.t, aten.unsqueeze,
+_LINEAR_VIEWS = {aten.view, aten.reshape, aten._unsafe_view, aten.view_as, aten.reshape_as, aten.expand_as, aten.permute, aten.transpose, aten.t, aten.unsqueeze,
                  aten.squeeze, aten.expand, aten.slice, aten.select, aten.narrow, aten.split, aten.split_with_sizes,
                  aten.chunk, aten.unbind, aten.clone, aten.contiguous, aten.alias, aten.flatten, aten.unflatten,
                  aten.movedim, aten.repeat, aten.repeat_interleave, aten.index, aten.index_select, aten.gather,
@@ -293,7 +293,7 @@ def find_expert_regions(gm: fx.GraphModule, params: dict[fx.Node, str],
         (region,) = mine
         owned = {a for a in node.all_input_nodes if region.state.get(a) == OWNED}
         partial = {a for a in node.all_input_nodes if region.state.get(a) == PARTIAL}
-        if is_random(node):
+        if _draws(node):
             problems.append(f"{describe(node)} draws random numbers inside the experts: every rank would compute "
                             "every rank's tokens with its own draws")
             continue
@@ -304,6 +304,10 @@ def find_expert_regions(gm: fx.GraphModule, params: dict[fx.Node, str],
             state = PARTIAL
             region.masked |= owned
         if state is None:  # outside: what it reads of the region is summed over the ranks first
+            if _inplace(node) and node.args[0] in region.state:
+                problems.append(f"{describe(node)} writes in place into a tensor of the experts' computation; expert "
+                                "parallelism cannot split that (write it out of place)")
+                continue
             region.masked |= owned
             continue
         if _inplace(node) and region.state.get(node.args[0]) is None:
@@ -337,19 +341,48 @@ def _finish(gm: fx.GraphModule, region: ExpertRegion, data: set[fx.Node]) -> Non
     region.shared = [n for n in outside if n not in data]
 
 
+SHAPE_ONLY = {aten.view_as: aten.view.default, aten.reshape_as: aten.reshape.default,
+              aten.expand_as: aten.expand.default}
+"""Ops whose second tensor gives only a shape -> the op taking that shape as a list (what the
+rewrite runs instead, so that the shape's tensor is not exchanged)."""
+
+
+def region_args(node: fx.Node) -> list[fx.Node]:
+    """The nodes whose values ``node`` reads (not those that give it only a shape)."""
+    if node.op == "call_function" and packet(node) in SHAPE_ONLY:
+        return [node.args[0]] if isinstance(node.args[0], fx.Node) else []
+    return list(node.all_input_nodes)
+
+
 def _outside_inputs(region: ExpertRegion, inside: set[fx.Node]) -> list[fx.Node]:
     seen = {}
-    for node in inside:
-        for a in node.all_input_nodes:
+    for node in region.state:
+        for a in region_args(node):
             if a not in inside:
                 seen[a] = None
     return list(seen)
 
 
+_DROPOUTS = {aten.dropout, aten.native_dropout, aten.feature_dropout, aten.alpha_dropout, aten.feature_alpha_dropout}
+
+
+def _draws(node: fx.Node) -> bool:
+    """Draws random numbers: a dropout only in training with p > 0 (eval graphs keep the op)."""
+    if packet(node) in _DROPOUTS:
+        p, train = _arg(node, 1, "p"), _arg(node, 2, "train")
+        return bool(train) and not (isinstance(p, (int, float)) and p == 0)
+    return is_random(node)
+
+
 def _pullable(node: fx.Node, inside: set[fx.Node]) -> bool:
+    """A data-only op computed from one outside tensor (never from the region: what reads the
+    region outside it reads the sum over the ranks), read only by the region, not smaller than
+    its input: exchanging its input costs no more than exchanging it."""
     if node.op != "call_function" or is_multi_output(node) or node.target is operator.getitem:
         return False
-    if _inplace(node) or is_random(node) or any(u not in inside for u in node.users):
+    if any(a in inside for a in node.all_input_nodes):
+        return False
+    if _inplace(node) or _draws(node) or any(u not in inside for u in node.users):
         return False
     tensors = [a for a in node.all_input_nodes if tensor_val(a) is not None]
     value = tensor_val(node)

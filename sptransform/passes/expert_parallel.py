@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from sptransform.graph.experts import OWNED, ExpertRegion
-from sptransform.graph.nodes import shape_of, tensor_val
+from sptransform.graph.experts import OWNED, SHAPE_ONLY, ExpertRegion, region_args
+from sptransform.graph.nodes import packet, shape_of, tensor_val
 from sptransform.runtime.collectives import gather_seq, scatter_seq
 
 aten = torch.ops.aten
@@ -120,7 +120,7 @@ def _rewrite(gm: fx.GraphModule, region: ExpertRegion, params: dict[fx.Node, str
 
     for node in region.nodes:
         with graph.inserting_before(node):
-            for a in node.all_input_nodes:
+            for a in region_args(node):
                 if a in region.inputs and a not in gathered:
                     value = tensor_val(a)
                     up = call(aten.unsqueeze.default, (a, 0), _fake(lambda v: v.unsqueeze(0), value))
@@ -131,6 +131,9 @@ def _rewrite(gm: fx.GraphModule, region: ExpertRegion, params: dict[fx.Node, str
                 if node in region.seeds:
                     env[s][node] = _local_gather(graph, node, region.seeds[node], params, plan,
                                                  source(node.args[1][0], s, True), masks, s, call)
+                elif packet(node) in SHAPE_ONLY:  # the shape as a list: the shape's tensor is not exchanged
+                    env[s][node] = call(SHAPE_ONLY[packet(node)], (source(node.args[0], s, owned),
+                                                                   list(shape_of(node.args[1]))), tensor_val(node))
                 else:
                     copy = graph.node_copy(node, lambda a, s=s: source(a, s, owned))
                     copy.meta = dict(node.meta)

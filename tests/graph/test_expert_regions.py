@@ -1,0 +1,152 @@
+"""Expert regions found from dataflow (``graph.experts``), on small MoE layers written here (not
+transformers'): which nodes hold owned rows, which partial sums, what is exchanged, where the
+region ends, and what keeps a region from being split."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from sptransform.capture import FakeTemplate, capture
+from sptransform.graph.experts import OWNED, PARTIAL, PLAIN, data_nodes, find_expert_regions, is_zero, rowwise
+
+aten = torch.ops.aten
+
+
+class RoutedMLP(nn.Module):
+    """Top-k routing; each token-expert pair gathers its expert's weights (``w[idx]``) and applies them by ``bmm``."""
+
+    def __init__(self, experts=4, hidden=8, inner=16, k=2, dropout=0.0, inplace_sum=False, shared=False):
+        super().__init__()
+        self.k, self.hidden, self.inplace_sum = k, hidden, inplace_sum
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.up = nn.Parameter(torch.randn(experts, inner, hidden) / hidden ** 0.5)
+        self.up_bias = nn.Parameter(torch.randn(experts, inner) / 10)
+        self.down = nn.Parameter(torch.randn(experts, hidden, inner) / inner ** 0.5)
+        self.dropout = nn.Dropout(dropout)
+        self.shared = nn.Linear(hidden, hidden) if shared else None
+
+    def forward(self, x):
+        h = x.reshape(-1, self.hidden)
+        weights, idx = torch.topk(self.router(h).softmax(-1), self.k)
+        flat = idx.reshape(-1)
+        pairs = h.repeat_interleave(self.k, 0)
+        a = torch.bmm(self.up[flat], pairs.unsqueeze(-1)).squeeze(-1) + self.up_bias[flat]
+        a = self.dropout(F.gelu(a))
+        y = torch.bmm(self.down[flat], a.unsqueeze(-1)).squeeze(-1) * weights.reshape(-1, 1)
+        if self.inplace_sum:
+            out = torch.zeros_like(h)
+            out.index_add_(0, torch.arange(h.shape[0]).repeat_interleave(self.k), y)
+        else:
+            out = y.view(-1, self.k, self.hidden).sum(1)
+        if self.shared is not None:
+            out = out + self.shared(h)
+        return x + out.view_as(x)
+
+
+def _regions(model, x=None):
+    x = torch.randn(2, 6, 8) if x is None else x
+    captured = capture(FakeTemplate(model, torch.device("cpu")), (x,), {})
+    state = dict(zip(captured.state_placeholders, captured.state_names))
+    params = {node: name for node, name in state.items() if name in captured.param_names}
+    gm = captured.gm
+    return gm, params, *find_expert_regions(gm, params, data_nodes(gm, captured.user_placeholders))
+
+
+def _by_target(nodes, target):
+    return [n for n in nodes if n.target == target]
+
+
+def test_a_routed_mlp_is_one_region_from_the_gathers_to_the_sum_over_the_chosen_experts():
+    gm, params, regions, problems = _regions(RoutedMLP().eval())
+    assert problems == []
+    (region,) = regions
+    assert sorted(params[p] for p in region.seeds.values()) == ["down", "up", "up_bias"]
+    # everything computed per pair is owned: both bmm, the bias add, the activation, the routing weight
+    for node in (*_by_target(region.nodes, aten.bmm.default), *_by_target(region.nodes, aten.gelu.default)):
+        assert region.state[node] == OWNED, node
+    # the view to [T, k, H] mixes the pairs' dim with another: from there the sum over ranks is kept
+    (view,) = [n for n in region.nodes if n.target == aten.view.default and region.state[n] == PARTIAL]
+    (summed,) = _by_target(region.nodes, aten.sum.dim_IntList)
+    assert region.state[summed] == PARTIAL
+    assert view.args[0] in region.masked  # the masked owned tensor that turned partial
+    # the residual add is not linear in the experts' sum: the region ends before it
+    (output,) = region.outputs
+    assert output.target == aten.view_as.default and region.state[output] == PARTIAL
+    assert [u.target for u in output.users] == [aten.add.Tensor]
+
+
+def test_the_tokens_are_exchanged_before_their_copies_per_chosen_expert():
+    gm, params, regions, _ = _regions(RoutedMLP().eval())
+    (region,) = regions
+    (repeat,) = [n for n in gm.graph.nodes if n.target == aten.repeat_interleave.self_int]
+    assert region.state[repeat] == PLAIN  # pulled in: each rank repeats the tokens it receives
+    shapes = sorted(tuple(n.meta["val"].shape) for n in region.inputs)
+    # the tokens [T, H] (not the [T * k, H] copies), the routing indices and weights [T, k]
+    assert shapes == [(12, 2), (12, 2), (12, 8)], shapes
+    assert all(n.op == "placeholder" for n in region.shared)  # parameters only: the same on every rank
+
+
+def test_a_shared_expert_beside_the_routed_ones_stays_outside_and_the_region_ends_at_the_add():
+    gm, params, regions, problems = _regions(RoutedMLP(shared=True).eval())
+    assert problems == []
+    (region,) = regions
+    assert all(params.get(p) != "shared.weight" for p in region.shared)
+    (output,) = region.outputs  # the routed sum: the add of the shared expert's output is not linear in it
+    assert output.target == aten.sum.dim_IntList
+    assert any(u.target == aten.add.Tensor for u in output.users)
+
+
+def test_dropout_inside_the_experts_is_a_problem_named_by_node():
+    _, _, _, problems = _regions(RoutedMLP(dropout=0.5).train())
+    assert len(problems) == 1 and "draws random numbers inside the experts" in problems[0]
+
+
+def test_an_in_place_sum_into_zeros_reads_the_pairs_summed_over_the_ranks():
+    gm, _, regions, problems = _regions(RoutedMLP(inplace_sum=True).eval())
+    assert problems == []
+    (region,) = regions
+    (output,) = region.outputs  # index_add_ is not one of the region's ops: it reads the weighted pairs
+    assert output.target == aten.mul.Tensor and output in region.masked
+    assert [u.target for u in output.users] == [aten.index_add_.default]
+
+
+def test_an_in_place_write_into_the_experts_values_from_outside_is_a_problem():
+    class Cumulative(RoutedMLP):
+        def forward(self, x):
+            h = x.reshape(-1, self.hidden)
+            _, idx = torch.topk(self.router(h), self.k)
+            y = torch.bmm(self.down[idx.reshape(-1)], torch.ones(12 * self.k, 16, 1)).squeeze(-1)
+            y.cumsum_(0)  # mixes the pairs, in place
+            return y.sum()
+
+    _, _, _, problems = _regions(Cumulative().eval())
+    assert len(problems) == 1 and "writes in place into a tensor of the experts' computation" in problems[0], problems
+
+
+def test_a_parameter_read_other_than_by_routing_gathers_is_not_an_expert():
+    class Mixed(RoutedMLP):
+        def forward(self, x):
+            return super().forward(x) + self.up.sum()
+
+    _, params, regions, _ = _regions(Mixed().eval())
+    (region,) = regions
+    assert "up" not in {params[p] for p in region.seeds.values()}
+
+
+def test_rowwise_needs_the_pairs_dims_kept_first():
+    gm, params, regions, _ = _regions(RoutedMLP().eval())
+    (region,) = regions
+    owned = {n for n, s in region.state.items() if s == OWNED}
+    for node in region.nodes:
+        if node.target == aten.unsqueeze.default and node.args[0] in owned:
+            assert rowwise(node, owned, 1)
+    view = next(n for n in region.nodes if n.target == aten.view.default and region.state[n] == PARTIAL)
+    assert not rowwise(view, owned | {view.args[0]}, 1)  # [T * k, H] -> [T, k, H]: rows regrouped
+
+
+def test_zero_makers_are_recognised():
+    gm, _, _, _ = _regions(RoutedMLP(inplace_sum=True).eval())
+    zeros = [n for n in gm.graph.nodes if n.target in (aten.zeros_like.default, aten.zeros.default)]
+    assert zeros and all(is_zero(n) for n in zeros)
