@@ -103,12 +103,12 @@ while the backward of the parameters used before it runs."""
 
 
 def _by_layer(ordered: list[fx.Node], rows: list[tuple[int, int]], position: dict) -> list[int]:
-    """Each parameter's layer: that of the first row-parallel linear after its first use (the
+    """Each parameter's layer: that of the first row-parallel linear at or after its first use (the
     last layer's number + 1 after the last one)."""
     groups = []
     for param in ordered:
         first_use = min(position[u] for u in param.users)
-        groups.append(next((layer for pos, layer in rows if pos > first_use), rows[-1][1] + 1))
+        groups.append(next((layer for pos, layer in rows if pos >= first_use), rows[-1][1] + 1))
     return groups
 
 
