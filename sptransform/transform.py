@@ -436,6 +436,7 @@ def build_parallel_graph(
     captured.gm = run_passes(PASSES, captured.gm, build)
     graph = ParallelGraph(captured, build.analysis, build.plan, _single_device_analysis=build.single_device_analysis)
     graph.data_parallel = build.data_parallel
+    graph.expert_parallel = build.expert_parallel
     log.info("transformed for tp=%d sp=%s dp=%d: %s; collectives per step: %s; in %.1f s", options.tp, options.sp,
              options.dp, _linears_split(build.plan), _collectives(captured.gm) or "none",
              time.perf_counter() - start - captured_s)

@@ -56,6 +56,8 @@ class ParallelGraph:
     data_parallel: object = None
     """``passes.data_parallel.DataParallelPlan`` when ``dp > 1``: how each parameter is stored over
     the data-parallel ranks."""
+    expert_parallel: object = None
+    """``passes.expert_parallel.ExpertParallelPlan`` when ``ep > 1``: which experts this rank holds."""
     _single_device_analysis: ModelAnalysis | None = field(default=None, repr=False, compare=False)
 
     @property

@@ -174,21 +174,3 @@ def _local_gather(graph, node, param, params, plan, idx, masks, s, call) -> fx.N
     local = call(aten.where.ScalarOther, (mask, shifted, 0), value)
     return call(aten.index.Tensor, (param, [local]), tensor_val(node))
 
-
-def dispatch_bytes(gm: fx.GraphModule, group: str, size: int) -> dict[str, int]:
-    """Bytes one rank sends per forward in the expert exchanges of ``gm`` (an ``expert_parallel``
-    result) over the expert-parallel ``group``, read from the graph's values: ``gather`` (all-gather of the data inputs: this rank's
-    piece to each of the other ``size - 1`` ranks) and ``scatter`` (reduce-scatter of the outputs:
-    ``(size - 1) / size`` of the stacked tensor). The backward sends the same amounts the other
-    way (the conjugate collectives)."""
-    sent = {"gather": 0, "scatter": 0}
-    for node in gm.graph.nodes:
-        value = tensor_val(node)
-        if node.op != "call_function" or node.args[2:3] != (group,):
-            continue
-        if node.target is gather_seq and value is not None:
-            sent["gather"] += value.numel() * value.element_size() * (size - 1) // size
-        elif node.target is scatter_seq and tensor_val(node.args[0]) is not None:
-            stacked = tensor_val(node.args[0])
-            sent["scatter"] += stacked.numel() * stacked.element_size() * (size - 1) // size
-    return sent

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 
+from sptransform.graph.nodes import tensor_val
 from sptransform.graph.placement import describe_placement
 from sptransform.runtime.collectives import copy_to_tp, gather_output, gather_seq, reduce_from_tp, scatter_seq, sync_grads
 from sptransform.runtime.ops import vocab_parallel_cross_entropy
@@ -65,11 +67,32 @@ def largest_whole(analysis, plan, count: int = 8) -> list[str]:
     return lines
 
 
+def _data_parallel_lines(graph) -> list[str]:
+    """At tp=1: what data and expert parallelism did to the captured graph."""
+    dp = graph.data_parallel
+    if dp is None:
+        return ["tp=1: the captured graph runs unchanged"]
+    lines = [f"tp=1: data parallelism over {dp.size} ranks, zero={dp.zero}"]
+    experts = graph.expert_parallel
+    if experts is not None:
+        names = sorted(experts.experts)
+        sent = expert_dispatch_bytes(graph.gm, experts.group, experts.size)
+        lines.append(f"expert parallelism over {experts.size} ranks: {len(names)} expert tensors, each rank storing "
+                     f"1/{experts.size} of their experts:")
+        for name in names:
+            per = experts.experts[name] // experts.size
+            lines.append(f"  {name}: experts {experts.rank * per}-{(experts.rank + 1) * per - 1} of "
+                         f"{experts.experts[name]} on this rank")
+        lines.append(f"  sent per forward (and the same back in backward): all-gather of the tokens and routing "
+                     f"{sent['gather']:,} B, reduce-scatter of the outputs {sent['scatter']:,} B")
+    return lines
+
+
 def explain(graph, options) -> str:
     plan, analysis = graph.plan, graph.analysis
     lines = [f"sptransform: tp={options.tp} sp={options.sp} dropout_rng={options.dropout_rng}"]
     if analysis is None:
-        return "\n".join(lines + ["tp=1: the captured graph runs unchanged"])
+        return "\n".join(lines + _data_parallel_lines(graph))
     lines.append(f"sequence length {analysis.seq_len}; vocab {plan.vocab if plan else '-'}")
     lines.append("regions:")
     for region in analysis.regions:
@@ -98,3 +121,22 @@ def explain(graph, options) -> str:
     lines.append("per step: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
     lines.extend(f"note: {n}" for n in plan.notes)
     return "\n".join(lines)
+
+
+def expert_dispatch_bytes(gm: fx.GraphModule, group: str, size: int) -> dict[str, int]:
+    """Bytes one rank sends per forward in the expert exchanges of ``gm`` (``passes.expert_parallel``'s
+    rewrite) over the expert-parallel ``group``, read from the graph's values: ``gather`` (all-gather of the data inputs: this rank's
+    piece to each of the other ``size - 1`` ranks) and ``scatter`` (reduce-scatter of the outputs:
+    ``(size - 1) / size`` of the stacked tensor). The backward sends the same amounts the other
+    way (the conjugate collectives)."""
+    sent = {"gather": 0, "scatter": 0}
+    for node in gm.graph.nodes:
+        value = tensor_val(node)
+        if node.op != "call_function" or node.args[2:3] != (group,):
+            continue
+        if node.target is gather_seq and value is not None:
+            sent["gather"] += value.numel() * value.element_size() * (size - 1) // size
+        elif node.target is scatter_seq and tensor_val(node.args[0]) is not None:
+            stacked = tensor_val(node.args[0])
+            sent["scatter"] += stacked.numel() * stacked.element_size() * (size - 1) // size
+    return sent
