@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from sptransform.graph.nodes import describe, is_multi_output, is_random, packet, shape_of, tensor_val
+from sptransform.graph.nodes import data_dependent, describe, is_multi_output, is_random, packet, shape_of, tensor_val
 from sptransform.torch_internals import OpOverload, op_schema
 
 aten = torch.ops.aten
@@ -281,6 +281,15 @@ def find_expert_regions(gm: fx.GraphModule, params: dict[fx.Node, str],
             region.state[gather] = OWNED
             where[gather] = region
     problems: list[str] = []
+    for region in regions.values():
+        counts = {shape_of(param)[0] for param in region.seeds.values()}
+        if len(counts) > 1:
+            problems.append(f"the expert tensors {sorted(p.name for p in region.seeds.values())} gathered by one routing "
+                            f"index have different numbers of experts {sorted(counts)}")
+        dynamic = [g for g in region.seeds if data_dependent(g.args[1][0]) or data_dependent(g)]
+        if dynamic:
+            problems.append(f"{describe(dynamic[0])} gathers experts by indices whose shape depends on the data; expert "
+                            "parallelism exchanges tensors of static shapes")
     for node in gm.graph.nodes:
         if node.op != "call_function" or node in where:
             continue

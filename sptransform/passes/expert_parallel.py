@@ -162,9 +162,17 @@ def _position(graph: fx.Graph, node: fx.Node) -> int:
 
 def _local_gather(graph, node, param, params, plan, idx, masks, s, call) -> fx.Node:
     """``index(w, [idx])`` on this rank's experts ``[lo, hi)``: local indices where owned, 0 elsewhere."""
-    per_rank = plan.experts[params[param]] // plan.size
+    experts = plan.experts[params[param]]
+    per_rank = experts // plan.size
     lo = plan.rank * per_rank
     value = tensor_val(idx)
+    # w[idx] of one device: an index in [-E, E) (negative ones count from the end), else IndexError
+    inside = call(aten.logical_and.default, (call(aten.ge.Scalar, (idx, -experts), _fake(lambda v: v >= 0, value)),
+                                             call(aten.lt.Scalar, (idx, experts), _fake(lambda v: v >= 0, value))),
+                  _fake(lambda v: v >= 0, value))
+    call(aten._assert_async.msg, (call(aten.all.default, (inside,)), f"index out of range: the routing chose an expert "
+                                  f"outside [-{experts}, {experts}) of {params[param]}"))
+    idx = call(aten.remainder.Scalar, (idx, experts), value)
     below = call(aten.ge.Scalar, (idx, lo), _fake(lambda v: v >= lo, value))
     above = call(aten.lt.Scalar, (idx, lo + per_rank), _fake(lambda v: v < lo, value))
     mask = call(aten.logical_and.default, (below, above), _fake(lambda v: v >= 0, value))

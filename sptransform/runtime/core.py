@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple, TypeVar
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -34,7 +35,7 @@ from sptransform.runtime.checks import (
 )
 from sptransform.runtime.faults import ReplicaCheck
 from sptransform.runtime.generate import original_class_error
-from sptransform.torch_internals import non_persistent_buffer_names, resolve_process_group
+from sptransform.torch_internals import non_persistent_buffer_names, pytree, resolve_process_group
 from sptransform.runtime.params import (
     call_defaults, device_of, placeholder, placement_of, set_by_path, shard_parameter, unloaded_error,
     unloaded_parameters,
@@ -201,7 +202,9 @@ class ModuleCore(nn.Module):
             error = err
         if self._replicas is not None:  # the data-parallel replicas meet (runtime.faults)
             try:
-                self._replicas.arrive(stable_hash(self._mode_key()), error is not None)
+                shapes = stable_hash(*[(tuple(x.shape), str(x.dtype)) for x in pytree.tree_leaves((args, kwargs))
+                                       if isinstance(x, torch.Tensor)]) if self._options.ep > 1 else 0
+                self._replicas.arrive(stable_hash(self._mode_key()), error is not None, shapes)
             except (ValueError, RuntimeError) as err:  # held, so that the tensor-parallel peers hear of it
                 error = error or err
         agreement = self._agreement()

@@ -148,13 +148,15 @@ class ReplicaCheck:
     def peers(self) -> list[int]:
         return list(self._ranks)
 
-    def arrive(self, mode: int, failed: bool) -> None:
+    def arrive(self, mode: int, failed: bool, shapes: int = 0) -> None:
         """Meet the replicas at this call: raise on every one if they disagree or one failed its
-        input checks, and name a peer that does not come within the timeout."""
+        input checks, and name a peer that does not come within the timeout. ``shapes``: a hash of
+        the inputs' shapes where the replicas must agree on them (expert parallelism exchanges
+        tokens), else 0."""
         self.calls += 1
         n, grad = self.calls, torch.is_grad_enabled()
         ran = self.backward_of == n - 1 or n == 1
-        row = f"{int(failed)},{int(grad)},{mode},{int(ran)}"
+        row = f"{int(failed)},{int(grad)},{mode},{int(ran)},{shapes}"
         self._store.set(f"{self._prefix}/{n}/{self._me}", row)
         self._store.set(f"{PREFIX}/last/{self._me}", f"call {n} ({'gradients on' if grad else 'under no_grad'}; "
                         f"the previous call's backward {'ran' if ran else 'did not run'})")
@@ -195,3 +197,12 @@ def _raise_if_replicas_disagree(rows: dict[int, list[int]], me: int) -> None:
                 f"data-parallel ranks {split} differ in {what} at this call: a replica that runs no backward leaves "
                 f"its peers waiting in the gradient all-reduce; {fix}"
             )
+    shapes: dict[int, list[int]] = {}
+    for r, row in rows.items():
+        shapes.setdefault(row[4], []).append(r)
+    if len(shapes) > 1:
+        split = " vs ".join(f"[{', '.join(f'rank {r}' for r in ranks)}]" for ranks in shapes.values())
+        raise ValueError(
+            f"data-parallel ranks {split} pass inputs of different shapes at this call, and with ep > 1 the ranks "
+            "of an expert-parallel group exchange their tokens in collectives of one shape: give every rank batches "
+            "of the same shape (pad them, or drop the last uneven batch)")

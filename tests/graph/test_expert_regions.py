@@ -150,3 +150,13 @@ def test_zero_makers_are_recognised():
     gm, _, _, _ = _regions(RoutedMLP(inplace_sum=True).eval())
     zeros = [n for n in gm.graph.nodes if n.target in (aten.zeros_like.default, aten.zeros.default)]
     assert zeros and all(is_zero(n) for n in zeros)
+
+
+def test_expert_tensors_of_different_expert_counts_under_one_routing_are_a_problem():
+    class Uneven(RoutedMLP):
+        def __init__(self):
+            super().__init__()
+            self.down = nn.Parameter(torch.randn(6, 8, 16))  # 6 "experts", routed by indices of 4
+
+    _, _, _, problems = _regions(Uneven().eval())
+    assert len(problems) == 1 and "different numbers of experts [4, 6]" in problems[0], problems

@@ -149,6 +149,12 @@ def _refusals() -> None:
     ids = torch.randint(0, 128, (PER_RANK, SEQ))
     with pytest.raises(ValueError, match="set_experts_implementation\\('batched_mm'\\)"):
         sptransform.parallelize(model, tp=1, dp=2, ep=2, example_inputs=dict(input_ids=ids, labels=ids))
+    # every rank of an ep group must exchange tensors of one shape: an uneven batch is refused on both ranks
+    pm = sptransform.parallelize(_model("mixtral", 1), tp=1, dp=2, ep=2, example_inputs=dict(input_ids=ids, labels=ids))
+    mine = ids[:1] if dist.get_rank() == 1 else ids
+    with pytest.raises(ValueError, match=r"pass inputs of different shapes .* ep > 1"):
+        pm(input_ids=mine, labels=mine)
+    pm(input_ids=ids, labels=ids).loss.backward()  # and the module still works after it
 
 
 def _report(results: dict, ep: int) -> None:

@@ -10,8 +10,8 @@ from simulate import one_rank
 from sptransform.runtime.faults import PeerFailure, _from_collective, _raise_if_replicas_disagree, naming_failures
 
 
-def _row(failed=0, grad=1, mode=7, ran=1) -> list[int]:
-    return [failed, grad, mode, ran]
+def _row(failed=0, grad=1, mode=7, ran=1, shapes=0) -> list[int]:
+    return [failed, grad, mode, ran, shapes]
 
 
 def test_replicas_that_agree_pass_and_a_grad_mode_difference_names_both_sides():
@@ -20,6 +20,11 @@ def test_replicas_that_agree_pass_and_a_grad_mode_difference_names_both_sides():
         _raise_if_replicas_disagree({0: _row(), 2: _row(grad=0)}, 2)
     with pytest.raises(ValueError, match=r"differ in train/eval modes"):
         _raise_if_replicas_disagree({0: _row(), 2: _row(mode=8)}, 0)
+
+
+def test_expert_parallel_replicas_with_inputs_of_other_shapes_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"ranks \[rank 0\] vs \[rank 2\] pass inputs of different shapes .* ep > 1"):
+        _raise_if_replicas_disagree({0: _row(shapes=5), 2: _row(shapes=6)}, 0)
 
 
 def test_a_replica_whose_inputs_failed_makes_the_others_raise_and_raises_its_own():
