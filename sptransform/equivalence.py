@@ -390,6 +390,9 @@ def _check_arguments(model, *, tp, sp, pp, dp, steps, rtol, timeout_s, processes
     for name, value in (("rtol", rtol), ("timeout_s", timeout_s)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ValueError(f"{name}={value!r} must be a finite number >= 0")
+    if dp % ep:  # parallelize's rule (ParallelOptions), before anything is spawned
+        raise ValueError(f"ep={ep} must divide dp={dp}: expert parallelism splits the experts over groups of ep "
+                         "data-parallel ranks; pass an ep that divides dp")
     check_recompute(recompute)  # parallelize's own rules, checked before anything is spawned
     check_graph_compiler(compile)
 

@@ -79,6 +79,9 @@ def register(subparsers) -> None:
                         help=f"pipeline ranks (default 1; dp x pp x tp at most {MAX_RANKS} processes)")
     parser.add_argument("--dp", type=int_type(1, MAX_RANKS, why="dp x pp x tp processes are spawned"), default=1,
                         help="data-parallel groups, each on its piece of the batch (default 1)")
+    parser.add_argument("--ep", type=int_type(1, MAX_RANKS, why="it divides --dp"), default=1,
+                        help="expert-parallel groups of this many dp ranks split the experts (default 1; divides --dp; "
+                             "a transformers MoE model's experts then run as batched_mm)")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--processes", dest="processes", action="store_true", default=None,
                        help="real gloo processes, also where that needs the model pickled and it cannot be (an error)")
@@ -118,11 +121,13 @@ def run(args: argparse.Namespace) -> int:
 
     torch.manual_seed(0)  # the model's initial weights (alike on every rank of a torchrun job)
     model, example_inputs = build_model(args.model, layers=layers, seq=seq or 8 * tp)
+    if args.ep > 1 and hasattr(model, "set_experts_implementation"):  # ep splits experts gathered per token
+        model.set_experts_implementation("batched_mm")
     if example_inputs is None and (seq is not None or batch is not None):
         example_inputs = token_inputs(model, batch=batch or default_batch, seq=seq or 8 * tp)
     with _torchrun_group() as rank:
         try:
-            report = verify(model, tp=tp, sp=args.sp, pp=pp, dp=dp, example_inputs=example_inputs, steps=steps,
+            report = verify(model, tp=tp, sp=args.sp, pp=pp, dp=dp, ep=args.ep, example_inputs=example_inputs, steps=steps,
                             rtol=rtol, timeout_s=timeout, processes=args.processes)
         except Exception as error:  # bad inputs, the model itself failing on single device, a timeout
             message = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"

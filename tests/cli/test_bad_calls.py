@@ -223,6 +223,8 @@ BAD_CALLS = [
     (["verify", "--model", "gpt2", "--tp", "2", "--bogus"], "--bogus"),
     (["verify", "--model", "gpt2", "--tp", "2", "--dp", "0"], "--dp"),
     (["verify", "--model", "gpt2", "--tp", "2", "--dp", "40"], "--dp"),
+    (["verify", "--model", "gpt2", "--tp", "1", "--dp", "2", "--ep", "0"], "--ep"),
+    (["verify", "--model", "gpt2", "--tp", "1", "--dp", "2", "--ep", "3"], "ep=3 must divide dp=2"),
     (["verify", "--model", "gpt2", "--tp", "2", "--processes", "--simulated"], "--simulated"),
     # -- the command itself ------------------------------------------------------------------
     ([], "COMMAND"),
