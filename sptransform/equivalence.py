@@ -137,7 +137,8 @@ class VerifyReport:
         lines += [f"note: {note}" for note in self.notes]
         if self.held_share is not None:
             lines.append(f"held per rank: {self.held_share:.3f} of the parameter bytes (1/{self.tp * self.pp} "
-                         f"= {1 / (self.tp * self.pp):.3f} if every weight were split)")
+                         f"= {1 / (self.tp * self.pp):.3f} if every weight were split over tp x pp"
+                         + (f"; the experts are split over ep={self.ep} too" if self.ep > 1 else "") + ")")
         if self.status == "refused":
             lines.append(f"verdict: REFUSED: parallelize refused the model: {self.error}")
         elif self.status == "equal":

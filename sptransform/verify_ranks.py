@@ -224,9 +224,14 @@ def loss_of(named: list[tuple[str, torch.Tensor]], like: str | None = None) -> t
 
 
 def _placement(t: torch.Tensor) -> str:
-    """The placement on the tensor-parallel axis (the mesh's last) of a DTensor; ``plain`` otherwise."""
+    """The placement on the tensor-parallel axis (the mesh's last) of a DTensor, or, where the
+    mesh has an ``ep`` axis and the tensor is split there (experts), that one; ``plain`` otherwise."""
     if not isinstance(t, DTensor):
         return "plain"
+    names = tuple(t.device_mesh.mesh_dim_names or ())
+    if "ep" in names and isinstance(t.placements[names.index("ep")], Shard) and \
+            t.placements[names.index("ep")] != t.placements[names.index("ep") - 1]:
+        return f"ep Shard({t.placements[names.index('ep')].dim})"
     placement = t.placements[-1]
     if isinstance(placement, StridedShard):
         return f"_StridedShard({placement.dim}, split_factor={placement.split_factor})"
