@@ -1,0 +1,116 @@
+"""A small causal LM with routed experts written several ways (not transformers' code), for the
+property test of expert parallelism: how the router scores, how the experts are stored and
+applied (gathered per token-expert pair, ``w[idx]``), where the routing weight is applied and
+how the pairs are summed back to tokens all vary, so that the region analysis meets shapes of
+MoE code it was not written against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class RoutedConfig:
+    vocab: int = 64
+    hidden: int = 16
+    inner: int = 24
+    experts: int = 4
+    top_k: int = 2
+    layers: int = 2
+    router: str = "softmax_topk"
+    """``softmax_topk`` (scores then top-k, renormalised), ``topk_softmax`` (softmax of the top-k
+    logits), ``sigmoid`` (sigmoid scores, top-k, normalised)."""
+    gated: bool = True
+    """``silu(gate) * up`` from one fused projection, else ``gelu(up)``."""
+    layout: str = "out_in"
+    """Expert weights ``[E, out, in]`` (``bmm(w, x[..., None])``) or ``[E, in, out]`` (``bmm(x[:, None], w)``)."""
+    bias: bool = False
+    combine: str = "view_sum"
+    """How pairs become tokens: ``view_sum``, ``index_add`` (out of place), ``index_add_`` (in place,
+    into zeros), ``einsum`` (with the routing weights)."""
+    weights_before: bool = False
+    """Scale each pair's input by its routing weight before the experts, not its output after."""
+    shared: bool = False
+    """A dense expert beside the routed ones, added to their sum."""
+
+
+class RoutedMLP(nn.Module):
+    def __init__(self, c: RoutedConfig):
+        super().__init__()
+        self.c = c
+        up = 2 * c.inner if c.gated else c.inner
+        self.router = nn.Linear(c.hidden, c.experts, bias=False)
+
+        def expert(out_features, in_features):
+            shape = (c.experts, out_features, in_features) if c.layout == "out_in" else (c.experts, in_features, out_features)
+            return nn.Parameter(torch.randn(shape) / in_features ** 0.5)
+
+        self.up = expert(up, c.hidden)
+        self.down = expert(c.hidden, c.inner)
+        self.up_bias = nn.Parameter(torch.randn(c.experts, up) / 10) if c.bias else None
+        self.down_bias = nn.Parameter(torch.randn(c.experts, c.hidden) / 10) if c.bias else None
+        self.shared = nn.Sequential(nn.Linear(c.hidden, c.inner), nn.GELU(), nn.Linear(c.inner, c.hidden)) \
+            if c.shared else None
+
+    def _route(self, h):
+        c, logits = self.c, self.router(h)
+        if c.router == "topk_softmax":
+            top, idx = torch.topk(logits, c.top_k)
+            return top.softmax(-1), idx
+        scores = logits.softmax(-1) if c.router == "softmax_topk" else torch.sigmoid(logits)
+        top, idx = torch.topk(scores, c.top_k)
+        return top / top.sum(-1, keepdim=True), idx
+
+    def _linear(self, weight, bias, flat, x):
+        w = weight[flat]
+        y = torch.bmm(w, x.unsqueeze(-1)).squeeze(-1) if self.c.layout == "out_in" else \
+            torch.bmm(x.unsqueeze(1), w).squeeze(1)
+        return y + bias[flat] if bias is not None else y
+
+    def forward(self, x):
+        c = self.c
+        h = x.reshape(-1, c.hidden)
+        weights, idx = self._route(h)
+        flat, pair_w = idx.reshape(-1), weights.reshape(-1, 1)
+        pairs = h.repeat_interleave(c.top_k, 0)
+        if c.weights_before:
+            pairs = pairs * pair_w
+        a = self._linear(self.up, self.up_bias, flat, pairs)
+        a = F.silu(a[:, :c.inner]) * a[:, c.inner:] if c.gated else F.gelu(a)
+        y = self._linear(self.down, self.down_bias, flat, a)
+        if not c.weights_before and c.combine != "einsum":
+            y = y * pair_w
+        tokens = torch.arange(h.shape[0], device=h.device).repeat_interleave(c.top_k)
+        if c.combine == "view_sum":
+            out = y.view(-1, c.top_k, c.hidden).sum(1)
+        elif c.combine == "index_add":
+            out = torch.zeros_like(h).index_add(0, tokens, y)
+        elif c.combine == "index_add_":
+            out = torch.zeros_like(h)
+            out.index_add_(0, tokens, y)
+        else:
+            scale = torch.ones_like(weights) if c.weights_before else weights
+            out = torch.einsum("tkh,tk->th", y.view(-1, c.top_k, c.hidden), scale)
+        if self.shared is not None:
+            out = out + self.shared(h)
+        return out.view_as(x)
+
+
+class RoutedLM(nn.Module):
+    def __init__(self, c: RoutedConfig):
+        super().__init__()
+        self.embed = nn.Embedding(c.vocab, c.hidden)
+        self.norms = nn.ModuleList(nn.LayerNorm(c.hidden) for _ in range(c.layers))
+        self.moes = nn.ModuleList(RoutedMLP(c) for _ in range(c.layers))
+        self.head = nn.Linear(c.hidden, c.vocab, bias=False)
+
+    def forward(self, ids, labels):
+        x = self.embed(ids)
+        for norm, moe in zip(self.norms, self.moes):
+            x = x + moe(norm(x))
+        logits = self.head(x)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
