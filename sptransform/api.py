@@ -122,7 +122,7 @@ def parallelize(
     ``False`` waits on each collective at once.
 
     Expert parallelism (``ep``, dividing ``dp``): the data-parallel ranks fall into groups of ``ep``
-    consecutive ranks; each rank of a group stores ``E/ep`` of every routed expert layer's experts
+    consecutive data-parallel ranks; each rank of a group stores ``E/ep`` of every routed expert layer's experts
     (found on the graph: expert weights gathered by routing indices, transformers'
     ``experts_implementation="batched_mm"``) and applies them to the tokens of the whole group,
     exchanged by an all-gather before the experts and a reduce-scatter after them (no token
