@@ -44,7 +44,7 @@ import torch.nn as nn
 from sptransform.api import normalize_example_inputs
 from sptransform.copying import faithful_deepcopy
 from sptransform.logs import phases
-from sptransform.options import check_graph_compiler, check_recompute
+from sptransform.options import ParallelOptions, check_graph_compiler, check_recompute
 from sptransform.runtime.params import call_defaults
 from sptransform.torch_internals import local_tensor_mode, quiet_fake_tensor_meta_failures
 from sptransform.verify_ranks import (
@@ -391,9 +391,7 @@ def _check_arguments(model, *, tp, sp, pp, dp, steps, rtol, timeout_s, processes
     for name, value in (("rtol", rtol), ("timeout_s", timeout_s)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ValueError(f"{name}={value!r} must be a finite number >= 0")
-    if dp % ep:  # parallelize's rule (ParallelOptions), before anything is spawned
-        raise ValueError(f"ep={ep} must divide dp={dp}: expert parallelism splits the experts over groups of ep "
-                         "data-parallel ranks; pass an ep that divides dp")
+    ParallelOptions(tp=tp, dp=dp, ep=ep)  # parallelize's rules for ep (it divides dp; tp=1), before anything is spawned
     check_recompute(recompute)  # parallelize's own rules, checked before anything is spawned
     check_graph_compiler(compile)
 

@@ -96,6 +96,7 @@ def _rewrite(gm: fx.GraphModule, region: ExpertRegion, params: dict[fx.Node, str
     selected: dict[tuple[fx.Node, int], fx.Node] = {}
     masks: list[fx.Node | None] = [None] * ep
     masked: dict[tuple[fx.Node, int], fx.Node] = {}
+    local: dict[tuple[fx.Node, int], fx.Node] = {}  # (copy's indices, E) -> local indices: once per routing
 
     def call(target, args, value=None) -> fx.Node:
         return _with_val(graph.call_function(target, tuple(args)), value)
@@ -129,8 +130,12 @@ def _rewrite(gm: fx.GraphModule, region: ExpertRegion, params: dict[fx.Node, str
             owned = region.state[node] == OWNED
             for s in range(ep):
                 if node in region.seeds:
-                    env[s][node] = _local_gather(graph, node, region.seeds[node], params, plan,
-                                                 source(node.args[1][0], s, True), masks, s, call)
+                    param = region.seeds[node]
+                    idx, experts = source(node.args[1][0], s, True), plan.experts[params[param]]
+                    if (idx, experts) not in local:
+                        local[(idx, experts)], mask = _local_indices(idx, experts, plan, params[param], call)
+                        masks[s] = mask if masks[s] is None else masks[s]
+                    env[s][node] = call(aten.index.Tensor, (param, [local[(idx, experts)]]), tensor_val(node))
                 elif packet(node) in SHAPE_ONLY:  # the shape as a list: the shape's tensor is not exchanged
                     env[s][node] = call(SHAPE_ONLY[packet(node)], (source(node.args[0], s, owned),
                                                                    list(shape_of(node.args[1]))), tensor_val(node))
@@ -138,9 +143,10 @@ def _rewrite(gm: fx.GraphModule, region: ExpertRegion, params: dict[fx.Node, str
                     copy = graph.node_copy(node, lambda a, s=s: source(a, s, owned))
                     copy.meta = dict(node.meta)
                     env[s][node] = copy
+    position = {n: i for i, n in enumerate(graph.nodes)}
     for out in region.outputs:
         users = [u for u in out.users if u not in inside]
-        first = min(users, key=lambda u: _position(graph, u))
+        first = min(users, key=position.__getitem__)
         with graph.inserting_before(first):
             value = tensor_val(out)
             pieces = [mask_of(out, s) if region.state[out] == OWNED else env[s][out] for s in range(ep)]
@@ -153,32 +159,20 @@ def _rewrite(gm: fx.GraphModule, region: ExpertRegion, params: dict[fx.Node, str
         graph.erase_node(node)
 
 
-def _position(graph: fx.Graph, node: fx.Node) -> int:
-    for i, n in enumerate(graph.nodes):
-        if n is node:
-            return i
-    raise KeyError(node.name)
-
-
-def _local_gather(graph, node, param, params, plan, idx, masks, s, call) -> fx.Node:
-    """``index(w, [idx])`` on this rank's experts ``[lo, hi)``: local indices where owned, 0 elsewhere."""
-    experts = plan.experts[params[param]]
+def _local_indices(idx: fx.Node, experts: int, plan: ExpertParallelPlan, name: str, call) -> tuple[fx.Node, fx.Node]:
+    """Indices into this rank's experts ``[lo, hi)`` of ``name`` (0 where another rank's expert is
+    chosen) and the mask of the pairs this rank's experts own."""
     per_rank = experts // plan.size
     lo = plan.rank * per_rank
     value = tensor_val(idx)
+    flags = _fake(lambda v: v >= 0, value)  # a bool tensor of idx's shape
     # w[idx] of one device: an index in [-E, E) (negative ones count from the end), else IndexError
-    inside = call(aten.logical_and.default, (call(aten.ge.Scalar, (idx, -experts), _fake(lambda v: v >= 0, value)),
-                                             call(aten.lt.Scalar, (idx, experts), _fake(lambda v: v >= 0, value))),
-                  _fake(lambda v: v >= 0, value))
+    inside = call(aten.logical_and.default, (call(aten.ge.Scalar, (idx, -experts), flags),
+                                             call(aten.lt.Scalar, (idx, experts), flags)), flags)
     call(aten._assert_async.msg, (call(aten.all.default, (inside,)), f"index out of range: the routing chose an expert "
-                                  f"outside [-{experts}, {experts}) of {params[param]}"))
+                                  f"outside [-{experts}, {experts}) of {name}"))
     idx = call(aten.remainder.Scalar, (idx, experts), value)
-    below = call(aten.ge.Scalar, (idx, lo), _fake(lambda v: v >= lo, value))
-    above = call(aten.lt.Scalar, (idx, lo + per_rank), _fake(lambda v: v < lo, value))
-    mask = call(aten.logical_and.default, (below, above), _fake(lambda v: v >= 0, value))
-    if masks[s] is None:
-        masks[s] = mask
+    mask = call(aten.logical_and.default, (call(aten.ge.Scalar, (idx, lo), flags),
+                                           call(aten.lt.Scalar, (idx, lo + per_rank), flags)), flags)
     shifted = call(aten.sub.Tensor, (idx, lo), value)
-    local = call(aten.where.ScalarOther, (mask, shifted, 0), value)
-    return call(aten.index.Tensor, (param, [local]), tensor_val(node))
-
+    return call(aten.where.ScalarOther, (mask, shifted, 0), value), mask

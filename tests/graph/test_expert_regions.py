@@ -139,9 +139,8 @@ def test_rowwise_needs_the_pairs_dims_kept_first():
     gm, params, regions, _ = _regions(RoutedMLP().eval())
     (region,) = regions
     owned = {n for n, s in region.state.items() if s == OWNED}
-    for node in region.nodes:
-        if node.target == aten.unsqueeze.default and node.args[0] in owned:
-            assert rowwise(node, owned, 1)
+    unsqueezed = [n for n in region.nodes if n.target == aten.unsqueeze.default and n.args[0] in owned]
+    assert unsqueezed and all(rowwise(n, owned, 1) for n in unsqueezed)
     view = next(n for n in region.nodes if n.target == aten.view.default and region.state[n] == PARTIAL)
     assert not rowwise(view, owned | {view.args[0]}, 1)  # [T * k, H] -> [T, k, H]: rows regrouped
 

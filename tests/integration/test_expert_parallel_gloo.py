@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from simulate import spawn_with_deadline
+from simulate import assert_grads_match, assert_params_match, spawn_with_deadline
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
@@ -116,16 +116,12 @@ def _train_and_compare(family: str, layers: int, zero: int, recompute: str, *, e
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=1e-8, msg=lambda m: f"{what}grad norm: {m}")
-        for name, p in params.items():
-            grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            worst = max(worst, (grad - ref_params[name].grad).abs().max().item())
-            torch.testing.assert_close(grad, ref_params[name].grad, rtol=1e-5, atol=1e-7,
-                                       msg=lambda m, n=name: f"{what}step {step} grad of {n}: {m}")
+        assert_grads_match(pm, ref, rtol=1e-5, atol=1e-7, what=f"{what}step {step}: ")
+        worst = max([worst, *(((p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) - ref_params[name].grad)
+                               .abs().max().item() for name, p in params.items())])
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
-    for name, p in params.items():
-        torch.testing.assert_close(p.full_tensor(), ref_params[name].detach(), rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, n=name: f"{what}parameter {n} after AdamW: {m}")
+    assert_params_match(pm, ref, rtol=1e-5, atol=1e-6, what=f"{what}after AdamW: ")
     plan = pm._last.data_parallel  # the graph's plans: how many layers' experts, the exchange's group
     groups = pm._factory.experts
     sent = expert_dispatch_bytes(pm._last.gm, groups.group, ep)

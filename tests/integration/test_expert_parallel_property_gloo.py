@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from models.routed import RoutedConfig, RoutedLM
-from simulate import spawn_with_deadline
+from simulate import assert_grads_match, assert_params_match, spawn_with_deadline
 
 pytestmark = pytest.mark.slow
 
@@ -62,15 +62,10 @@ def _train_and_compare(config: RoutedConfig, zero: int) -> None:
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         torch.testing.assert_close(mean / world, ref_loss.detach(), rtol=1e-10, atol=1e-12, msg=lambda m: what + m)
-        for name, p in params.items():
-            grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            torch.testing.assert_close(grad, ref_params[name].grad, rtol=1e-8, atol=1e-11,
-                                       msg=lambda m, n=name: f"{what}step {step} grad of {n}: {m}")
+        assert_grads_match(pm, ref, rtol=1e-8, atol=1e-11, what=f"{what}step {step}: ")
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
-    for name, p in params.items():
-        torch.testing.assert_close(p.full_tensor(), ref_params[name].detach(), rtol=1e-8, atol=1e-10,
-                                   msg=lambda m, n=name: f"{what}parameter {n}: {m}")
+    assert_params_match(pm, ref, rtol=1e-8, atol=1e-10, what=what)
 
 
 CONFIGS = st.builds(
