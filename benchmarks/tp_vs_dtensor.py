@@ -337,6 +337,14 @@ class StepProfile:
         return self
 
     def __exit__(self, *exc):
+        if dist.is_available() and dist.is_initialized():
+            # gloo runs a collective on its own thread under the caller's profiler state and may
+            # still be releasing that collective's buffers (reported to the profiler) after the
+            # caller saw it complete; stopping the profiler then races with that thread (seen once
+            # in CI: "malloc(): unaligned tcache chunk detected" at profiler_stop). A barrier waits
+            # for every earlier collective and a short pause lets the worker leave its last one.
+            dist.barrier()
+            time.sleep(0.05)
         self._profile.__exit__(*exc)
         events = list(self._profile.events())
         names = [e.name for e in events]
@@ -354,7 +362,7 @@ class StepProfile:
             row[0] += 1
             row[1] += e.self_cpu_time_total / 1e3
         self.counts = {
-            "collectives": sum(1 for n in names if n.startswith("gloo:")),
+            "collectives": sum(1 for n in names if n.startswith("gloo:") and n != "gloo:barrier"),
             "waits": sum(1 for n in names if n.endswith("::wait_tensor")),
             "fills": names.count("aten::fill_"),
             "copies": names.count("aten::copy_"),

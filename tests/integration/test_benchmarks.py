@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -15,10 +16,14 @@ TINY = ["--layers", "1", "--hidden", "64", "--heads", "4", "--vocab", "512", "--
 
 def run_benchmark(script, extra, tmp_path, timeout=150):
     out = tmp_path / "result.json"
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", script), *TINY, *extra, "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-    )
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", script), *TINY, *extra, "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 and "terminated with signal" in proc.stderr and "profiler_stop" in proc.stderr:
+        # torch's profiler (profile_memory) can crash natively when stopped while a gloo worker
+        # thread still reports to it (seen once in CI). That is torch's, not the benchmark's: one
+        # rerun, said aloud; an error of any other kind, or a second crash, fails the test.
+        warnings.warn(f"{script}: a rank crashed in torch's profiler; ran it again", stacklevel=1)
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout
 
