@@ -218,7 +218,7 @@ def _meshes(options: ParallelOptions, pipeline: PipelineOptions | None, mesh, de
     if mesh is None and options.peer_timeout_s is not None:  # a group of ours: replicas wait peer_timeout_s
         set_group_timeout(full["dp"].get_group(), datetime.timedelta(seconds=options.peer_timeout_s))
     if options.ep > 1:
-        ep_mesh = expert_mesh(options.dp, options.ep, pp, device)
+        ep_mesh = expert_mesh(options.dp, options.ep, pp, options.tp, device)
         groups = ExpertGroups(group=ep_mesh["ep"].get_group().group_name, rank=ep_mesh["ep"].get_local_rank(),
                               replicas=ep_mesh["edp"].get_group().group_name)
         return _Meshes(full["tp"], full["pp", "tp"] if pp > 1 else None, ep_mesh["edp", "ep", "tp"], full,

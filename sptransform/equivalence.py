@@ -391,7 +391,7 @@ def _check_arguments(model, *, tp, sp, pp, dp, steps, rtol, timeout_s, processes
     for name, value in (("rtol", rtol), ("timeout_s", timeout_s)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ValueError(f"{name}={value!r} must be a finite number >= 0")
-    ParallelOptions(tp=tp, dp=dp, ep=ep)  # parallelize's rules for ep (it divides dp; tp=1), before anything is spawned
+    ParallelOptions(tp=tp, dp=dp, ep=ep)  # parallelize's rules for ep (it divides dp), before anything is spawned
     check_recompute(recompute)  # parallelize's own rules, checked before anything is spawned
     check_graph_compiler(compile)
 

@@ -185,10 +185,6 @@ class ParallelOptions:
             raise ValueError(f"ep={self.ep} must divide dp={self.dp}: expert parallelism splits the experts over groups "
                              f"of ep data-parallel ranks; use dp={self.ep * max(1, -(-self.dp // self.ep))} or an ep "
                              f"that divides {self.dp}")
-        if self.ep > 1 and self.tp > 1:
-            raise ValueError(
-                f"ep={self.ep} with tp={self.tp}: expert parallelism runs with tp=1 so far; use tp=1 (tp alone "
-                "also splits experts, by their hidden dims)")
         if isinstance(self.zero, bool) or not isinstance(self.zero, int):
             raise TypeError(f"zero={self.zero!r} ({type(self.zero).__name__}): the ZeRO stage is an int, 0 to 3")
         if self.zero not in get_args(ZeroStage):

@@ -64,7 +64,7 @@ from sptransform.passes.base import Pass, PassResult, run_logged, run_passes
 from sptransform.passes.canonicalize import functional_copies, narrow_as_slice, remove_dead_code, repeat_grouped_kv, split_bias
 from sptransform.passes.data_parallel import DataParallelPlan, data_parallel, zero_dim
 from sptransform.passes.dropout import shard_dropout
-from sptransform.passes.expert_parallel import ExpertGroups, ExpertParallelPlan, expert_parallel
+from sptransform.passes.expert_parallel import ExpertGroups, ExpertParallelPlan, expert_parallel, tensor_parallel_dims
 from sptransform.graph.experts import data_nodes, find_expert_regions
 from sptransform.passes.token_weighting import weight_by_token_counts
 from sptransform.passes.overlap import schedule_collectives
@@ -314,11 +314,17 @@ def _add_data_parallel(gm: fx.GraphModule, build: Build) -> PassResult:
         storage = placement.storage if placement is not None else None
         shape = list(node.meta["val"].shape)
         expert = build.expert_parallel is not None and name in build.expert_parallel.experts
-        if expert:  # this rank's experts, in pieces over the dp / ep ranks holding the same ones
+        if expert:  # this rank's experts (and its tensor-parallel part of them), in pieces over the dp / ep ranks
+            if storage is not None and placement.padded_rows is not None:  # holding the same ones
+                dims[name] = None
+                continue
             shape[0] //= options.ep
+            if storage is not None:
+                shape[storage.dim] = storage.local_size(options.tp)
             local_shapes[name] = tuple(shape)
             replicas = options.dp // options.ep
-            dims[name] = zero_dim(tuple(shape), 0, replicas) if options.zero >= 1 and replicas > 1 else None
+            split = (0,) if storage is None else (0, storage.dim)
+            dims[name] = zero_dim(tuple(shape), split, replicas) if options.zero >= 1 and replicas > 1 else None
             continue
         if storage is not None:
             if placement.padded_rows is not None:  # uneven over the tensor-parallel ranks: kept whole over dp
@@ -343,7 +349,8 @@ def _split_experts(gm: fx.GraphModule, build: Build) -> PassResult:
     captured, groups, ep = build.captured, build.experts, build.options.ep
     state = dict(zip(captured.state_placeholders, captured.state_names))
     params = {node: name for node, name in state.items() if name in captured.param_names}
-    regions, problems = find_expert_regions(gm, params, data_nodes(gm, captured.user_placeholders))
+    regions, problems = find_expert_regions(gm, params, data_nodes(gm, captured.user_placeholders),
+                                           emitted=tensor_parallel_dims)
     experts: dict[str, int] = {}
     for region in regions:
         for param in region.seeds.values():

@@ -224,15 +224,21 @@ def loss_of(named: list[tuple[str, torch.Tensor]], like: str | None = None) -> t
 
 
 def _placement(t: torch.Tensor) -> str:
-    """The placement on the tensor-parallel axis (the mesh's last) of a DTensor, or, where the
-    mesh has an ``ep`` axis and the tensor is split there (experts), that one; ``plain`` otherwise."""
+    """The placement on the tensor-parallel axis (the mesh's last) of a DTensor, preceded, where the
+    mesh has an ``ep`` axis and the tensor is split there (experts), by that one; ``plain`` otherwise."""
     if not isinstance(t, DTensor):
         return "plain"
     names = tuple(t.device_mesh.mesh_dim_names or ())
     if "ep" in names and isinstance(t.placements[names.index("ep")], Shard) and \
             t.placements[names.index("ep")] != t.placements[names.index("ep") - 1]:
-        return f"ep Shard({t.placements[names.index('ep')].dim})"
-    placement = t.placements[-1]
+        experts = f"ep Shard({t.placements[names.index('ep')].dim})"
+        tp = t.device_mesh.size(len(names) - 1)
+        return experts if tp == 1 or isinstance(t.placements[-1], Replicate) else \
+            f"{experts}, tp {_describe(t.placements[-1])}"
+    return _describe(t.placements[-1])
+
+
+def _describe(placement) -> str:
     if isinstance(placement, StridedShard):
         return f"_StridedShard({placement.dim}, split_factor={placement.split_factor})"
     if isinstance(placement, Shard):

@@ -37,6 +37,7 @@ by the rewrite)."""
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -265,11 +266,16 @@ def expert_seeds(gm: fx.GraphModule, params: dict[fx.Node, str]) -> dict[fx.Node
     return seeds
 
 
-def find_expert_regions(gm: fx.GraphModule, params: dict[fx.Node, str],
-                        data: set[fx.Node]) -> tuple[list[ExpertRegion], list[str]]:
+def find_expert_regions(gm: fx.GraphModule, params: dict[fx.Node, str], data: set[fx.Node],
+                        emitted: Callable[[fx.Node], tuple[int, ...] | None] | None = None,
+                        ) -> tuple[list[ExpertRegion], list[str]]:
     """The expert regions of ``gm`` (module docstring) and the problems that keep one from being
     split (each naming the node). ``params``: parameter placeholders -> FQN; ``data``: nodes
-    computed from the user's inputs (the rest is the same on every rank)."""
+    computed from the user's inputs (the rest is the same on every rank). ``emitted`` describes
+    calls an earlier pass put in the graph (tensor-parallel collectives and cuts) that this
+    module cannot read from an op schema: for one linear in its first argument whose result keeps
+    that argument's dims, the dims it works along (``()`` for an all-reduce over other ranks that
+    hold the same rows); ``None`` for any other call."""
     seeds = expert_seeds(gm, params)
     regions: dict[tuple, ExpertRegion] = {}
     where: dict[fx.Node, ExpertRegion] = {}
@@ -307,7 +313,11 @@ def find_expert_regions(gm: fx.GraphModule, params: dict[fx.Node, str],
                             "every rank's tokens with its own draws")
             continue
         state = None
-        if not partial and rowwise(node, owned, region.rows):
+        along = emitted(node) if emitted is not None and node.args else None
+        if along is not None and all(d >= region.rows for d in along) and node.args[0] in owned | partial \
+                and not any(a in owned | partial for a in node.all_input_nodes if a is not node.args[0]):
+            state = OWNED if node.args[0] in owned else PARTIAL  # linear and row by row: keeps either state
+        elif not partial and rowwise(node, owned, region.rows):
             state = OWNED
         elif linear_in_partial(node, partial | owned):
             state = PARTIAL

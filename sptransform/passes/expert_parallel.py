@@ -37,7 +37,8 @@ import torch.fx as fx
 
 from sptransform.graph.experts import OWNED, SHAPE_ONLY, ExpertRegion, region_args
 from sptransform.graph.nodes import packet, shape_of, tensor_val
-from sptransform.runtime.collectives import gather_seq, scatter_seq
+from sptransform.runtime.collectives import copy_to_tp, gather_seq, reduce_from_tp, scatter_seq
+from sptransform.runtime.ops import take_local
 
 aten = torch.ops.aten
 
@@ -63,6 +64,22 @@ class ExpertParallelPlan:
     """This rank's position in the group: it holds experts ``[rank * E/size, (rank + 1) * E/size)``."""
     experts: dict[str, int]
     """Expert parameter FQN -> the number of experts (its dim 0, whole)."""
+
+
+def tensor_parallel_dims(node: fx.Node) -> tuple[int, ...] | None:
+    """For ``graph.experts.find_expert_regions(emitted=)``: the tensor-parallel calls an expert
+    region may hold when ``tp > 1`` splits the experts' hidden dims too. Each is linear in its first
+    argument and keeps its rows, and the ranks of a tensor-parallel group run the same copies of a
+    region in the same order (one ep group per tensor-parallel index, every member's tokens the
+    same on its tp peers), so an all-reduce inside a copy pairs the same rows on every peer."""
+    if node.op != "call_function":
+        return None
+    if node.target is copy_to_tp or node.target is reduce_from_tp:
+        return ()
+    if node.target is take_local:
+        value = tensor_val(node.args[0])
+        return (node.args[1] % value.ndim,) if value is not None else None
+    return None
 
 
 def _with_val(node: fx.Node, value) -> fx.Node:

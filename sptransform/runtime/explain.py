@@ -72,7 +72,12 @@ def _data_parallel_lines(graph) -> list[str]:
     dp = graph.data_parallel
     if dp is None:
         return ["tp=1: the captured graph runs unchanged"]
-    lines = [f"tp=1: data parallelism over {dp.size} ranks, zero={dp.zero}"]
+    return [f"tp=1: data parallelism over {dp.size} ranks, zero={dp.zero}", *_expert_lines(graph)]
+
+
+def _expert_lines(graph) -> list[str]:
+    """The experts this rank stores and the bytes their exchange sends (``ep > 1``)."""
+    lines: list[str] = []
     experts = graph.expert_parallel
     if experts is not None:
         names = sorted(experts.experts)
@@ -119,6 +124,9 @@ def explain(graph, options) -> str:
         lines.append(f"  {node.name:<28} {node.target.__name__:<28} fwd {fwd:<15} bwd {bwd:<15} {collective_bytes(node, options.tp):>12,} B")
     counts = collective_counts(graph.gm)
     lines.append("per step: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
+    if graph.data_parallel is not None:
+        lines.append(f"data parallelism over {graph.data_parallel.size} ranks, zero={graph.data_parallel.zero}")
+    lines.extend(_expert_lines(graph))
     lines.extend(f"note: {n}" for n in plan.notes)
     return "\n".join(lines)
 

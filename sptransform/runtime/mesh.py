@@ -108,10 +108,10 @@ def resolve_mesh(dp: int, pp: int, tp: int, mesh: DeviceMesh | None, device: tor
     return _new_mesh(device, tuple(size for _, size in wanted), tuple(name for name, _ in wanted))
 
 
-def expert_mesh(dp: int, ep: int, pp: int, device: torch.device) -> DeviceMesh:
-    """The ``("edp", "ep", "pp", "tp")`` mesh of expert parallelism (tp=1) over the whole process
-    group: groups of ``ep`` data-parallel ranks (of one pipeline stage) split the experts, and
-    ``edp`` joins the ``dp / ep`` ranks holding the same experts. Row-major like ``resolve_mesh``'s
-    ``(dp, pp, tp)``, so rank ``r`` is data-parallel rank ``i * ep + j`` there when it is ``(i, j)``
-    here: a parameter replicated on both axes is what data parallelism keeps."""
-    return _new_mesh(device, (dp // ep, ep, pp, 1), ("edp", "ep", "pp", "tp"))
+def expert_mesh(dp: int, ep: int, pp: int, tp: int, device: torch.device) -> DeviceMesh:
+    """The ``("edp", "ep", "pp", "tp")`` mesh of expert parallelism over the whole process group:
+    groups of ``ep`` data-parallel ranks (of one pipeline stage and one tensor-parallel index) split
+    the experts, and ``edp`` joins the ``dp / ep`` ranks holding the same experts. Row-major like
+    ``resolve_mesh``'s ``(dp, pp, tp)``, so rank ``r`` is data-parallel rank ``i * ep + j`` there
+    when it is ``(i, j)`` here: a parameter replicated on both axes is what data parallelism keeps."""
+    return _new_mesh(device, (dp // ep, ep, pp, tp), ("edp", "ep", "pp", "tp"))
