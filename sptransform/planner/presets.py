@@ -183,14 +183,43 @@ _EXAMPLES = {"num_hidden_layers": 12, "n_layer": 12, "hidden_size": 768, "n_embd
              "vocab_size": 50257, "max_position_embeddings": 1024, "n_positions": 1024}
 
 
+_EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+_LATENT_ATTENTION_FIELDS = ("kv_lora_rank", "q_lora_rank")
+
+
+def _refuse_unmodelled(data: dict, where: str) -> None:
+    """A ``ModelShape`` is a dense transformer with multi-head (or grouped-query) attention. A
+    config with routed experts or latent (low-rank) attention would be read as one, and every
+    count the planner gives (parameters, memory, FLOPs) would be off by what it leaves out: it
+    is refused, naming the fields, rather than planned wrong."""
+    problems = []
+    experts = [(k, data[k]) for k in _EXPERT_FIELDS if _is_int(data.get(k)) and data[k] > 1]
+    if experts:
+        key, count = experts[0]
+        problems.append(f"field {key!r} is {count}: routed experts (a mixture-of-experts model), whose "
+                        f"{count} expert MLPs per layer the planner's dense layer would leave out")
+    latent = [k for k in _LATENT_ATTENTION_FIELDS if data.get(k) is not None]
+    if latent:
+        problems.append(f"field {latent[0]!r} is {json.dumps(data[latent[0]])}: latent (low-rank) attention, "
+                        "whose projections are not the planner's Q/K/V/O")
+    if problems:
+        raise ValueError(
+            f"{where} describes a model the planner does not model yet: " + "; ".join(problems) + ". Its "
+            "parameter count, memory and FLOPs would be a dense transformer's, wrong by what it leaves out. "
+            "Measure the model itself instead: sptransform.parallelize(model, ...).explain() and held_share() "
+            "give each rank's parameters, and sptransform verify --model config.json runs it on real ranks")
+
+
 def shape_from_hf_dict(data: dict, *, name: str = "hf-config") -> ModelShape:
     """Build a ``ModelShape`` from a HF config dictionary. Every field read is checked (present
     where needed, a positive integer, heads dividing hidden and K/V heads dividing heads); an
-    error names the config's own field."""
+    error names the config's own field. Configs of models a ``ModelShape`` cannot describe
+    (routed experts, latent attention) are refused (``_refuse_unmodelled``)."""
     where = f"config {name!r}"
     if not isinstance(data, dict):
         raise ValueError(f"{where} is a JSON {type(data).__name__}, not an object: "
                          "a HF config.json holds one object of fields")
+    _refuse_unmodelled(data, where)
     found = {ours: _hf_size(data, theirs, where, required_for=ours) for ours, theirs in _HF_FIELDS.items()}
     found.update({ours: _hf_size(data, theirs, where) for ours, theirs in _HF_OPTIONAL_SIZES.items()})
     values = {ours: value for ours, (_, value) in found.items() if value is not None}

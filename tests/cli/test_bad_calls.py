@@ -49,6 +49,11 @@ CONFIGS = {
                       "intermediate_size": 256, "rope_theta": 10000.0},
     "llama_heads_0": {"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 0,
                       "intermediate_size": 688, "rope_theta": 10000.0},
+    # models a dense ModelShape would count wrong: refused, not planned as if dense
+    "routed_experts": {"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4,
+                       "intermediate_size": 688, "rope_theta": 10000.0, "num_local_experts": 8},
+    "latent_attention": {"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4,
+                         "intermediate_size": 688, "rope_theta": 10000.0, "kv_lora_rank": 64},
 }
 RAW_FILES = {
     "malformed": '{"n_layer": 4, "n_embd": 64,',
@@ -64,6 +69,7 @@ CONFIG_FIELDS = {  # what the error about each config names
     "vocab_zero": "vocab_size", "vocab_null": "vocab_size", "positions_string": "n_positions",
     "dropout_2": "attn_pdrop", "tied_string": "tie_word_embeddings", "hidden_huge": "n_embd",
     "rope_odd_head": "num_attention_heads", "llama_heads_0": "num_attention_heads",
+    "routed_experts": "num_local_experts", "latent_attention": "kv_lora_rank",
     "malformed": "not valid JSON", "empty": "not valid JSON", "a_list": "not an object", "a_number": "not an object",
 }
 
