@@ -159,3 +159,31 @@ def test_expert_tensors_of_different_expert_counts_under_one_routing_are_a_probl
 
     _, _, _, problems = _regions(Uneven().eval())
     assert len(problems) == 1 and "different numbers of experts [4, 6]" in problems[0], problems
+
+
+def _collective_stub(x):
+    """Stands for a call an earlier pass emitted (a tensor-parallel all-reduce): opaque to the op schemas."""
+    return x.clone()
+
+
+def test_calls_an_earlier_pass_emitted_stay_inside_where_the_pass_says_they_keep_the_rows():
+    captured = capture(FakeTemplate(RoutedMLP().eval(), torch.device("cpu")), (torch.randn(2, 6, 8),), {})
+    state = dict(zip(captured.state_placeholders, captured.state_names))
+    params = {node: name for node, name in state.items() if name in captured.param_names}
+    gm = captured.gm
+    down = [n for n in gm.graph.nodes if n.target == aten.bmm.default][-1]
+    with gm.graph.inserting_after(down):
+        stub = gm.graph.call_function(_collective_stub, (down,))
+    down.replace_all_uses_with(stub, delete_user_cb=lambda user: user is not stub)
+    gm.recompile()
+    data = data_nodes(gm, captured.user_placeholders)
+
+    # unknown: the region ends at the down projection, the call reads its rows summed over the ranks
+    (region,), problems = find_expert_regions(gm, params, data)
+    assert problems == [] and stub not in region.state and down in region.masked
+    # an all-reduce over ranks holding the same rows: linear and row by row, so owned like its input
+    (region,), problems = find_expert_regions(gm, params, data, emitted=lambda n: () if n is stub else None)
+    assert problems == [] and region.state[stub] == OWNED and down not in region.masked
+    # a cut along the pairs' own dim does not keep each row: it stays outside
+    (region,), problems = find_expert_regions(gm, params, data, emitted=lambda n: (0,) if n is stub else None)
+    assert stub not in region.state
