@@ -1,7 +1,7 @@
 """Property test of expert parallelism on real gloo ranks: MoE layers written in many ways
 (``tests/models/routed.py``: the router, the experts' stored layout, biases, gating, where the
 routing weight is applied, how pairs are summed back to tokens, a shared expert), drawn by
-hypothesis, trained at ``dp=2, ep=2`` (ZeRO 0 or 1) like the original on the whole batch: the
+hypothesis, trained at ``dp=2, ep=2`` (ZeRO 0 or 1; tp 1 or 2) like the original on the whole batch: the
 loss, every gradient and the parameters after 2 AdamW steps, in float64. Each example spawns its
 2 processes (the analysis runs on each rank's captured graph)."""
 
@@ -23,19 +23,21 @@ from simulate import assert_grads_match, assert_params_match, spawn_with_deadlin
 pytestmark = pytest.mark.slow
 
 BATCH, SEQ, STEPS = 2, 8, 2
+TP = tuple(int(t) for t in os.environ.get("EP_PROPERTY_TP", "1 2").split())
+"""Tensor-parallel degrees drawn (tp=2: 4 ranks, the experts split by their hidden dims too)."""
 
 
-def _worker(rank: int, world: int, port: int, config: RoutedConfig, zero: int) -> None:
+def _worker(rank: int, world: int, port: int, config: RoutedConfig, zero: int, tp: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
-        _train_and_compare(config, zero)
+        _train_and_compare(config, zero, tp)
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def _train_and_compare(config: RoutedConfig, zero: int) -> None:
+def _train_and_compare(config: RoutedConfig, zero: int, tp: int) -> None:
     import sptransform
     from torch.distributed.tensor import DTensor
 
@@ -44,10 +46,12 @@ def _train_and_compare(config: RoutedConfig, zero: int) -> None:
     model = RoutedLM(config).double()
     ref = copy.deepcopy(model)
     torch.manual_seed(1)
-    data = [torch.randint(0, config.vocab, (BATCH * world, SEQ)) for _ in range(STEPS)]
-    local = [ids[rank * BATCH:(rank + 1) * BATCH] for ids in data]
-    pm = sptransform.parallelize(model, tp=1, dp=world, ep=2, zero=zero, example_inputs=(local[0], local[0]))
-    what = f"{config}, zero={zero}: "
+    dp, replica = world // tp, rank // tp  # a replica's tp ranks share its batch
+    data = [torch.randint(0, config.vocab, (BATCH * dp, SEQ)) for _ in range(STEPS)]
+    local = [ids[replica * BATCH:(replica + 1) * BATCH] for ids in data]
+    pm = sptransform.parallelize(model, tp=tp, sp=False, dp=dp, ep=2, zero=zero,  # (no attention: no SP)
+                                 example_inputs=(local[0], local[0]))
+    what = f"{config}, zero={zero}, tp={tp}: "
     params, ref_params = dict(pm.named_parameters()), dict(ref.named_parameters())
     split = {n for n, p in params.items() if isinstance(p, DTensor) and p.to_local().shape[0] * 2 == p.shape[0]
              and n.split(".")[-1] in ("up", "down", "up_bias", "down_bias")}
@@ -83,6 +87,6 @@ CONFIGS = st.builds(
 
 
 @settings(max_examples=8, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(config=CONFIGS, zero=st.sampled_from([0, 1]))
-def test_routed_experts_written_many_ways_split_over_ep_and_train_like_the_original(config, zero):
-    spawn_with_deadline(_worker, 2, 300.0, config, zero)
+@given(config=CONFIGS, zero=st.sampled_from([0, 1]), tp=st.sampled_from(TP))
+def test_routed_experts_written_many_ways_split_over_ep_and_train_like_the_original(config, zero, tp):
+    spawn_with_deadline(_worker, 2 * tp, 300.0, config, zero, tp)
