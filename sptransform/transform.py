@@ -312,28 +312,23 @@ def _add_data_parallel(gm: fx.GraphModule, build: Build) -> PassResult:
     for node, name in trainable.items():
         placement = placements.get(name)
         storage = placement.storage if placement is not None else None
+        if storage is not None and placement.padded_rows is not None:  # uneven over the tp ranks: kept whole over dp
+            dims[name] = None
+            continue
         shape = list(node.meta["val"].shape)
-        expert = build.expert_parallel is not None and name in build.expert_parallel.experts
-        if expert:  # this rank's experts (and its tensor-parallel part of them), in pieces over the dp / ep ranks
-            if storage is not None and placement.padded_rows is not None:  # holding the same ones
-                dims[name] = None
-                continue
+        split: tuple[int, ...] = ()
+        if storage is not None:
+            shape[storage.dim] = storage.local_size(options.tp)
+            split = (storage.dim,)
+        if build.expert_parallel is not None and name in build.expert_parallel.experts:
+            # this rank's experts, in pieces over the dp / ep ranks holding the same ones
             shape[0] //= options.ep
-            if storage is not None:
-                shape[storage.dim] = storage.local_size(options.tp)
             local_shapes[name] = tuple(shape)
             replicas = options.dp // options.ep
-            split = (0,) if storage is None else (0, storage.dim)
-            dims[name] = zero_dim(tuple(shape), split, replicas) if options.zero >= 1 and replicas > 1 else None
+            dims[name] = zero_dim(tuple(shape), (0, *split), replicas) if options.zero >= 1 and replicas > 1 else None
             continue
-        if storage is not None:
-            if placement.padded_rows is not None:  # uneven over the tensor-parallel ranks: kept whole over dp
-                dims[name] = None
-                continue
-            shape[storage.dim] = storage.local_size(options.tp)
         local_shapes[name] = tuple(shape)
-        dims[name] = zero_dim(tuple(shape), storage.dim if storage is not None else None, options.dp) \
-            if options.zero >= 1 else None
+        dims[name] = zero_dim(tuple(shape), split, options.dp) if options.zero >= 1 else None
     experts = build.expert_parallel
     build.data_parallel = DataParallelPlan(group=build.dp_group, size=options.dp, zero=options.zero, dims=dims,
                                            local_shapes=local_shapes, overlap=build.overlap,

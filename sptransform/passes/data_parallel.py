@@ -125,10 +125,9 @@ def _by_size(ordered: list[fx.Node], cap: int) -> list[int]:
     return groups
 
 
-def zero_dim(local_shape: tuple[int, ...], tp_dim: int | tuple[int, ...] | None, size: int) -> int | None:
-    """The dim a parameter's ZeRO pieces split: the largest dim, other than the one tensor
-    parallelism splits (or the ones given: an expert tensor's expert dim too), that ``size``
-    divides; None when there is none (the parameter is kept whole on every data-parallel rank)."""
-    taken = {tp_dim} if isinstance(tp_dim, int) else set(tp_dim or ())
+def zero_dim(local_shape: tuple[int, ...], taken: tuple[int, ...], size: int) -> int | None:
+    """The dim a parameter's ZeRO pieces split: the largest dim, other than those already split
+    (``taken``: the tensor-parallel dim, an expert tensor's expert dim), that ``size`` divides;
+    None when there is none (the parameter is kept whole on every data-parallel rank)."""
     candidates = [d for d in range(len(local_shape)) if d not in taken and local_shape[d] % size == 0]
     return max(candidates, key=lambda d: (local_shape[d], -d)) if candidates else None

@@ -72,7 +72,11 @@ def _data_parallel_lines(graph) -> list[str]:
     dp = graph.data_parallel
     if dp is None:
         return ["tp=1: the captured graph runs unchanged"]
-    return [f"tp=1: data parallelism over {dp.size} ranks, zero={dp.zero}", *_expert_lines(graph)]
+    return [f"tp=1: {_dp_line(dp)}", *_expert_lines(graph)]
+
+
+def _dp_line(dp) -> str:
+    return f"data parallelism over {dp.size} ranks, zero={dp.zero}"
 
 
 def _expert_lines(graph) -> list[str]:
@@ -125,7 +129,7 @@ def explain(graph, options) -> str:
     counts = collective_counts(graph.gm)
     lines.append("per step: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
     if graph.data_parallel is not None:
-        lines.append(f"data parallelism over {graph.data_parallel.size} ranks, zero={graph.data_parallel.zero}")
+        lines.append(_dp_line(graph.data_parallel))
     lines.extend(_expert_lines(graph))
     lines.extend(f"note: {n}" for n in plan.notes)
     return "\n".join(lines)
