@@ -55,6 +55,7 @@ def parallelize(
     dp: int = 1,
     ep: int = 1,
     zero: int = 0,
+    shard_whole: bool = False,
     compile: Literal["inductor", "eager"] = "inductor",
     overlap: bool | None = None,
     dp_loss: Literal["tokens", "replicas"] = "tokens",
@@ -128,7 +129,14 @@ def parallelize(
     exchanged by an all-gather before the experts and a reduce-scatter after them (no token
     dropped; ``passes.expert_parallel``). Parameters are DTensors on an ``("edp", "ep", "tp")``
     mesh, experts ``Shard(0)`` on ``ep``; expert gradients are averaged over the ``dp / ep`` ranks
-    holding the same experts. So far with ``tp=1``.
+    holding the same experts. With ``tp > 1`` the ep groups are formed per tensor-parallel index
+    (the ``("edp", "ep", "tp")`` mesh), the experts' hidden dims split over tp as well.
+
+    ``shard_whole`` (``tp > 1``): the parameters tensor parallelism uses whole on every rank (norms,
+    routers, weights no rule splits: a fused multi-query QKV, data-dependent experts) are stored in
+    1/tp pieces and each layer's all-gathered where it starts (``passes.shard_whole``): their
+    weights, gradients and optimizer state split, their computation still whole on every rank.
+    ``explain()`` lists them; ``held_share()`` measures what a rank stores.
 
     ``dp_loss`` (``dp > 1``): ``"tokens"`` weights each replica's gradient by its count of
     non-ignored targets where the loss is a token mean found on the graph (single-device
@@ -145,7 +153,7 @@ def parallelize(
     _refuse_parallel_input(model)
     options = ParallelOptions(tp=tp, sp=sp, dropout_rng=dropout_rng, seed=seed, recompute=recompute,
                               check_inputs=check_inputs, graph_cache_size=graph_cache_size, dp=dp, ep=ep, zero=zero,
-                              compile=compile, overlap=overlap,
+                              shard_whole=shard_whole, compile=compile, overlap=overlap,
                               dp_loss=dp_loss, peer_timeout_s=peer_timeout_s)
     _check_mesh(mesh)
     pipeline = _pipeline_options(options, pp, schedule, n_microbatches, stages_per_rank, stored_microbatches)

@@ -175,6 +175,7 @@ def verify(
     processes: bool | None = None,
     recompute: str | float | int = "none",
     compile: Literal["inductor", "eager"] = "inductor",
+    shard_whole: bool = False,
 ) -> VerifyReport:
     """Compare ``parallelize(copy of model, tp=..., sp=..., pp=..., dp=...)`` with the model itself.
 
@@ -265,7 +266,8 @@ def verify(
     as before the call when it returns or raises.
     """
     _check_arguments(model, tp=tp, sp=sp, pp=pp, dp=dp, steps=steps, rtol=rtol, timeout_s=timeout_s,
-                     processes=processes, recompute=recompute, compile=compile, ep=ep)
+                     processes=processes, recompute=recompute, compile=compile, ep=ep,
+                     shard_whole=shard_whole)
     if local_tensor_mode() is not None:
         raise ValueError("sptransform.verify was called inside an active LocalTensorMode: call it outside")
     on_group = dist.is_available() and dist.is_initialized()
@@ -297,7 +299,7 @@ def verify(
         begin("parallel ranks")
         case = ParallelCase(model, args, kwargs, tp=tp, sp=sp, pp=pp, dp=dp, ep=ep, steps=steps, loss=loss_name,
                             n_microbatches=_microbatches(args, kwargs, pp, dp), recompute=recompute,
-                            compile=compile)
+                            compile=compile, shard_whole=shard_whole)
         run, fields["ranks"], fields["processes"], fields["backend"] = _run_parallel(
             case, on_group=on_group, processes=processes, timeout_s=timeout_s, notes=notes)
         if run.refused:
@@ -375,7 +377,7 @@ def _microbatches(args: tuple, kwargs: dict, pp: int, dp: int) -> int:
 
 
 def _check_arguments(model, *, tp, sp, pp, dp, steps, rtol, timeout_s, processes, recompute="none",
-                     compile="inductor", ep=1) -> None:
+                     compile="inductor", ep=1, shard_whole=False) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"verify expects an nn.Module, got {type(model).__name__}")
     for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("ep", ep), ("steps", steps)):
@@ -391,7 +393,8 @@ def _check_arguments(model, *, tp, sp, pp, dp, steps, rtol, timeout_s, processes
     for name, value in (("rtol", rtol), ("timeout_s", timeout_s)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ValueError(f"{name}={value!r} must be a finite number >= 0")
-    ParallelOptions(tp=tp, dp=dp, ep=ep)  # parallelize's rules for ep (it divides dp), before anything is spawned
+    # parallelize's rules for ep (it divides dp) and shard_whole (tp > 1), before anything is spawned
+    ParallelOptions(tp=tp, dp=dp, ep=ep, shard_whole=shard_whole)
     check_recompute(recompute)  # parallelize's own rules, checked before anything is spawned
     check_graph_compiler(compile)
 

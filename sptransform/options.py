@@ -142,6 +142,12 @@ class ParallelOptions:
     parameters gathered when it runs; 1 and 2 keep the gathered parameters for backward
     (gathered once per forward), 3 gathers them again for its backward. Gradients: all-reduced
     whole and this rank's piece kept (1), or reduce-scattered to the pieces (2 and 3)."""
+    shard_whole: bool = False
+    """Parameters the tensor-parallel rewrite uses whole on every rank (norms, routers, and weights
+    no rule splits: a fused multi-query projection, data-dependent experts) stored in 1/tp pieces
+    instead, each layer's all-gathered where it starts (``passes.shard_whole``): their weights,
+    gradients and optimizer state split over the tp ranks, their computation still whole; one
+    all-gather per layer more in each forward, nothing more in the backward. Needs ``tp > 1``."""
     dp_loss: DpLoss = "tokens"
     """With ``dp > 1``, how the replicas' gradients are combined. ``"tokens"``: where the loss
     the model returns is a mean over its non-ignored targets (cross-entropy or NLL with mean
@@ -190,6 +196,11 @@ class ParallelOptions:
         if self.zero not in get_args(ZeroStage):
             raise ValueError(f"zero={self.zero}: ZeRO stages are 0, 1, 2 and 3; use one of them (0: no sharding)")
         _check_bool("sp", self.sp)
+        _check_bool("shard_whole", self.shard_whole)
+        if self.shard_whole and self.tp == 1:
+            raise ValueError("shard_whole=True splits what tensor parallelism keeps whole over the tp ranks, and "
+                             "tp=1 has none: pass tp > 1, or zero=1..3 with dp > 1 to split parameters over "
+                             "data-parallel ranks")
         if self.dropout_rng not in get_args(DropoutRng):
             raise ValueError(f"dropout_rng={self.dropout_rng!r}: use 'independent' or 'reference'")
         if self.seed is not None:

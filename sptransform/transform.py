@@ -69,6 +69,7 @@ from sptransform.graph.experts import data_nodes, find_expert_regions
 from sptransform.passes.token_weighting import weight_by_token_counts
 from sptransform.passes.overlap import schedule_collectives
 from sptransform.passes.remat import remat_partition
+from sptransform.passes.shard_whole import shard_whole, stored_split, whole_parameters
 from sptransform.passes.tensor_parallel import add_rank_input, apply_placements
 from sptransform.pipeline.plan import PipelinePlan
 from sptransform.pipeline.plan import plan_pipeline as _plan_pipeline
@@ -365,6 +366,20 @@ def _split_experts(gm: fx.GraphModule, build: Build) -> PassResult:
     return PassResult(expert_parallel(gm, regions, params, build.expert_parallel), True)
 
 
+def _shard_whole(gm: fx.GraphModule, build: Build) -> PassResult:
+    """What the tensor-parallel rewrite keeps whole, stored in 1/tp pieces and gathered where a
+    layer reads it (``passes.shard_whole``); the placements record the storage split."""
+    experts = build.expert_parallel
+    found = whole_parameters(build.params, build.placements, build.options.tp,
+                             skip=frozenset(experts.experts) if experts is not None else frozenset())
+    for node, dim in found.items():
+        name = build.params[node]
+        build.placements[name] = stored_split(build.placements.get(name), dim, shape_of(node)[dim])
+    gm = shard_whole(gm, found, build.params, group=build.group, tp=build.options.tp, rank=build.plan.rank,
+                     layer_rows=build.layer_rows())
+    return PassResult(gm, bool(found))
+
+
 def _weight_tokens(gm: fx.GraphModule, build: Build) -> int:
     """How many token-mean loss outputs ``passes.token_weighting`` weighted."""
     before = _targets(gm)
@@ -394,6 +409,7 @@ PASSES: list[Pass] = [
     Pass("dropout", _dropout, requires=("plan", "sptransform_spec", "val"), enabled=_tensor_parallel),
     Pass("analyse_layers", _analyse_layers, adds=("single_device_analysis",), enabled=_data_parallel_alone),
     Pass("expert_parallel", _split_experts, requires=("val",), adds=("expert_parallel",), enabled=_expert_parallel),
+    Pass("shard_whole", _shard_whole, requires=("plan", "params"), enabled=lambda b: b.options.shard_whole),
     Pass("data_parallel", _add_data_parallel, requires=("val",), adds=("data_parallel",), enabled=_data_parallel),
     Pass("token_weighting", lambda gm, b: _changed(gm, _weight_tokens(gm, b)), requires=("val",),
          enabled=_token_weighted),

@@ -92,6 +92,8 @@ class ParallelCase:
     """``parallelize``'s ``recompute`` (a policy or a budget); other than ``"none"``, real ranks only."""
     compile: str = "inductor"
     """``parallelize``'s ``compile``: how the graphs ``recompute`` partitions are compiled."""
+    shard_whole: bool = False
+    """``parallelize``'s ``shard_whole``: what tp keeps whole stored in 1/tp pieces."""
     build: Callable[[], nn.Module] | None = None
     """An importable function returning a model of the same structure: spawned processes call it
     and load ``model``'s state and train()/eval() modes into the result, instead of unpickling
@@ -281,7 +283,7 @@ def _train(case: ParallelCase, model: nn.Module) -> tuple[Record, str | None]:
     """(record, what the parallel model raised while training or None). Raises ``_Refused``."""
     torch.manual_seed(SEED)
     options = dict(dropout_rng="reference") if case.pp == 1 else dict(n_microbatches=case.n_microbatches)
-    options.update(recompute=case.recompute, compile=case.compile)
+    options.update(recompute=case.recompute, compile=case.compile, shard_whole=case.shard_whole)
     # this rank's data-parallel group's piece of the batch (mesh (dp, pp, tp), row-major)
     group = dist.get_rank() // (case.pp * case.tp) if case.dp > 1 else 0
     args, kwargs = split_batch(case.args, case.kwargs, case.dp)[group]

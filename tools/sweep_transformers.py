@@ -547,7 +547,7 @@ def _takes(model, name: str) -> bool:
 
 def run_verify(model, inputs, *, tp: int, sp: bool, processes: bool = False, pp: int = 1, dp: int = 1, ep: int = 1,
                recompute: str | float | int = "none", compile: str = "inductor", rtol: float = 1e-4,
-               experts: str | None = None) -> dict:
+               experts: str | None = None, shard_whole: bool = False) -> dict:
     """``sptransform.verify`` of one layout, as a JSON-able dict (``status``: equal / different /
     refused / error). ``pp > 1``, ``dp > 1`` and a ``recompute`` need real processes
     (``processes=True``). ``experts``: run a copy of an MoE model with this
@@ -566,7 +566,8 @@ def run_verify(model, inputs, *, tp: int, sp: bool, processes: bool = False, pp:
     start = time.monotonic()
     try:
         report = sptransform.verify(model, tp=tp, sp=sp, pp=pp, dp=dp, ep=ep, example_inputs=inputs,
-                                    processes=processes, recompute=recompute, compile=compile, rtol=rtol)
+                                    processes=processes, recompute=recompute, compile=compile, rtol=rtol,
+                                    shard_whole=shard_whole)
     except TimeoutError as error:  # verify's own limit (timeout_s) on its spawned processes
         return {"status": "timeout", "reason": f"TimeoutError: {_first_line(error)}",
                 "seconds": time.monotonic() - start}
@@ -681,7 +682,8 @@ def worker(model_type: str, class_name: str, target: Target, result_path: str, e
 # -- the sweep: one subprocess per family -------------------------------------------------------
 
 COLUMNS = (("tp2_sp", "tp=2+SP"), ("tp4", "tp=4"), ("pp2", "pp=2"), ("ep2", "dp=2, ep=2"),
-           ("tp2_ep2", "tp=2+SP, dp=2, ep=2"), ("recompute", "tp=2+SP, recompute selective"), ("budget", "tp=2+SP, recompute budget 0.5"))
+           ("tp2_ep2", "tp=2+SP, dp=2, ep=2"), ("tp2_whole", "tp=2+SP, shard_whole"),
+           ("recompute", "tp=2+SP, recompute selective"), ("budget", "tp=2+SP, recompute budget 0.5"))
 """Result key and column title of each verify run (``LAYOUTS``: its arguments)."""
 
 LAYOUTS: dict[str, dict] = {
@@ -693,13 +695,15 @@ LAYOUTS: dict[str, dict] = {
     "ep2": dict(tp=1, sp=False, dp=2, ep=2, experts="batched_mm"),
     # the same on 4 ranks, the experts' matrices split by their hidden dims over tp=2 too
     "tp2_ep2": dict(tp=2, sp=True, dp=2, ep=2, experts="batched_mm"),
+    # what tp keeps whole stored in 1/tp pieces (held per rank: 1/2 wherever a dim divides)
+    "tp2_whole": dict(tp=2, sp=True, shard_whole=True),
     # the partitioned forward and backward compiled by inductor (issue 24: its layouts)
     "recompute": dict(tp=2, sp=True, recompute="selective", compile="inductor"),
     "budget": dict(tp=2, sp=True, recompute=0.5, compile="inductor"),
 }
 """Column key -> ``run_verify``'s layout arguments."""
 
-REAL_RANKS_ONLY = frozenset({"pp2", "ep2", "tp2_ep2", "recompute", "budget"})
+REAL_RANKS_ONLY = frozenset({"pp2", "ep2", "tp2_ep2", "tp2_whole", "recompute", "budget"})
 """Columns that run on real gloo processes whatever ``--processes`` says: simulated ranks run
 neither torch's pipelining nor AOTAutograd (which partitions and compiles for ``recompute``)."""
 

@@ -99,8 +99,13 @@ class ParamPlacement:
     """Split in the graph but stored whole on every rank, because DTensor has no placement for
     the split (a fused weight of unequal segments): the graph cuts the local part, and the
     parameter's gradient is summed over the group."""
+    gathered: DimShard | None = None
+    """Read whole in the graph (``spec`` None, or ``stored_whole``) but stored split this way,
+    all-gathered where a layer reads it (``passes.shard_whole``)."""
 
     @property
     def storage(self) -> DimShard | None:
         """The split the parameter is stored with (None: whole on every rank)."""
+        if self.gathered is not None:
+            return self.gathered
         return None if self.stored_whole else self.spec

@@ -189,7 +189,8 @@ class PipelinedModule(ModuleCore):
             if graph.plan is not None:
                 for name in graph.captured.param_names:
                     old, new = self._placements.get(name), graph.plan.placements.get(name)
-                    if (old.spec if old else None) != (new.spec if new else None):
+                    if ((old.spec, old.storage) if old else (None, None)) != \
+                            ((new.spec, new.storage) if new else (None, None)):
                         raise ValueError(
                             f"in this train/eval mode parameter {name!r} would need another split "
                             f"({new.spec if new else None} instead of {old.spec if old else None}): build the pipeline "

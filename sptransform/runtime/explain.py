@@ -9,6 +9,7 @@ from sptransform.graph.nodes import tensor_val
 from sptransform.graph.placement import describe_placement
 from sptransform.runtime.collectives import copy_to_tp, gather_output, gather_seq, reduce_from_tp, scatter_seq, sync_grads
 from sptransform.runtime.ops import vocab_parallel_cross_entropy
+from sptransform.runtime.zero import gather_whole
 
 # A constant table (never written at run time), read by explain().
 COLLECTIVE_DIRECTIONS: dict = {
@@ -19,6 +20,8 @@ COLLECTIVE_DIRECTIONS: dict = {
     scatter_seq: (("reduce-scatter",), ("all-gather",)),
     gather_output: (("all-gather",), ()),
     sync_grads: ((), ("all-reduce",)),
+    # parameters stored in 1/tp pieces (shard_whole): gathered; the backward keeps its piece
+    gather_whole: (("all-gather",), ()),
     # row max, sum of exponentials, target logit: three small all-reduces over [tokens]
     vocab_parallel_cross_entropy: (("all-reduce",) * 3, ()),
 }
@@ -35,6 +38,8 @@ def collective_bytes(node: torch.fx.Node, tp: int) -> int:
         return int(logits.numel() // logits.shape[-1] * logits.element_size())
     if node.target is sync_grads:
         return sum(a.meta["val"].numel() * a.meta["val"].element_size() for a in node.args[1:])
+    if node.target is gather_whole:  # its pieces' placeholders carry the whole parameters' shapes
+        return sum(a.meta["val"].numel() * a.meta["val"].element_size() for a in node.args[5:])
     val = node.meta.get("val")
     if val is None:
         val = node.args[0].meta.get("val")
@@ -55,16 +60,30 @@ def largest_whole(analysis, plan, count: int = 8) -> list[str]:
     """The ``count`` largest parameters every rank holds whole, with their share of the model's
     parameter bytes and the rule that left each whole (``ModelAnalysis.whole_reasons``)."""
     total = sum(analysis.param_bytes.values())
-    whole = {name: size for name, size in analysis.param_bytes.items()
-             if name not in plan.placements or plan.placements[name].spec is None}
+    read_whole = {name: size for name, size in analysis.param_bytes.items()
+                  if name not in plan.placements or plan.placements[name].spec is None}
+    pieces = {name: size for name, size in read_whole.items()
+              if name in plan.placements and plan.placements[name].gathered is not None}
+    whole = {name: size for name, size in read_whole.items() if name not in pieces}
+    lines = []
+    if total and pieces:
+        lines.append(f"computed whole but stored in 1/tp pieces (shard_whole=True), gathered where read: "
+                     f"{len(pieces)} parameters, {sum(pieces.values()) / total:.1%} of the parameter bytes")
     if not total or not whole:
-        return []
-    lines = [f"held whole on every rank: {len(whole)} parameters, {sum(whole.values()) / total:.1%} of the parameter "
-             f"bytes; the largest:"]
+        return lines
+    lines.append(f"held whole on every rank: {len(whole)} parameters, {sum(whole.values()) / total:.1%} of the "
+                 f"parameter bytes; the largest:")
     for name, size in sorted(whole.items(), key=lambda x: (-x[1], x[0]))[:count]:
         why = analysis.whole_reasons.get(name, "no rule splits it")
         lines.append(f"  {name:<50} {size:>12,} B {size / total:6.1%}  {why}")
+    if not pieces and sum(whole.values()) / total > WHOLE_HINT:
+        lines.append("  shard_whole=True would store these in 1/tp pieces (their compute stays whole; one "
+                     "all-gather per layer more per forward)")
     return lines
+
+
+WHOLE_HINT = 0.1
+"""Above this share of the parameter bytes held whole, ``explain()`` points to ``shard_whole``."""
 
 
 def _data_parallel_lines(graph) -> list[str]:
@@ -117,6 +136,8 @@ def explain(graph, options) -> str:
     for name, placement in sorted(plan.placements.items()):
         pad = f", padded to {placement.padded_rows} rows" if placement.padded_rows else ""
         whole = ", stored whole and cut in the graph" if placement.stored_whole else ""
+        if placement.gathered is not None:
+            whole = f", stored in 1/tp pieces along dim {placement.gathered.dim}, gathered where read"
         lines.append(f"  {name:<50} {describe_placement(placement.spec) if placement.spec else 'replicated':<16} "
                      f"{placement.role}{pad}{whole}")
     for name, layer in sorted(plan.sync_params.items(), key=lambda x: x[1]):

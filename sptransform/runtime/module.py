@@ -233,8 +233,8 @@ class ParallelModule(ModuleCore):
                 if node.users and name in captured.param_names]
         for name in read:
             old, new = self._placements.get(name), graph.plan.placements.get(name)
-            old_split = (old.spec, old.padded_rows) if old is not None else (None, None)
-            new_split = (new.spec, new.padded_rows) if new is not None else (None, None)
+            old_split = (old.spec, old.padded_rows, old.storage) if old is not None else (None, None, None)
+            new_split = (new.spec, new.padded_rows, new.storage) if new is not None else (None, None, None)
             if old_split != new_split:
                 raise ValueError(
                     f"these inputs need parameter {name!r} split as {new.role if new else 'replicated'} "

@@ -37,8 +37,26 @@ class _Bucket:
         self.group, self.size, self.dims, self.shapes = group, size, tuple(dims), tuple(shapes)
 
     def gather(self) -> list[torch.Tensor]:
-        flat = torch.cat([p.reshape(-1) for p in self.pieces])
-        return _rebuild(_all_gather(flat, 0, self.group), self.pieces, self.size, self.dims, self.shapes)
+        return _gather(self.pieces, self.group, self.size, self.dims, self.shapes)
+
+
+def _gather(pieces, group: str, size: int, dims, shapes) -> list[torch.Tensor]:
+    flat = torch.cat([p.reshape(-1) for p in pieces])
+    return _rebuild(_all_gather(flat, 0, group), pieces, size, dims, shapes)
+
+
+def _remember(ctx, pieces, group: str, size: int, dims, shapes) -> list[torch.Tensor]:
+    """Gather a bucket; eagerly, record on ``ctx`` what ``Regather`` needs to gather it again
+    (the bucket and its outputs' storages). Traced (``torch.compile``) nothing is recorded: the
+    recorded detached pieces would become outputs of the compiled graph that alias its inputs,
+    which AOTAutograd refuses beside DTensor outputs, and saved-tensor hooks do not run in a
+    compiled backward anyway."""
+    if torch.compiler.is_compiling():
+        return _gather(pieces, group, size, dims, shapes)
+    ctx.bucket = _Bucket(pieces, group, size, dims, shapes)  # read by ``Regather.pack`` (``_gathered``)
+    full = ctx.bucket.gather()
+    ctx.storages = [StorageWeakRef(t.untyped_storage()) for t in full]
+    return full
 
 
 def _rebuild(gathered: torch.Tensor, pieces, size: int, dims, shapes) -> list[torch.Tensor]:
@@ -62,10 +80,7 @@ class _GatherParams(torch.autograd.Function):
         ctx.rank = _group_rank(group) if whole_gradient else None
         ctx.piece_shapes = [p.shape for p in pieces]
         ctx.dtypes = [p.dtype for p in pieces]
-        ctx.bucket = _Bucket(pieces, group, size, dims, shapes)  # read by ``Regather.pack`` (``_gathered``)
-        full = ctx.bucket.gather()
-        ctx.storages = [StorageWeakRef(t.untyped_storage()) for t in full]
-        return tuple(full)
+        return tuple(_remember(ctx, pieces, group, size, dims, shapes))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -113,6 +128,40 @@ def gather_params(group: str, size: int, dims: list[int], shapes: list[list[int]
     already summed over the expert-parallel ranks, by all ``dp`` replicas)."""
     return _GatherParams.apply(group, size, tuple(dims), tuple(tuple(s) for s in shapes), overlap, whole_gradient,
                                size if divisor is None else divisor, *pieces)
+
+
+class _GatherWhole(torch.autograd.Function):
+    """``gather_whole``: the forward as ``_GatherParams``'s; the backward cuts this rank's piece
+    out of a gradient that arrives whole and equal on every rank of the group, with no collective."""
+
+    @staticmethod
+    def forward(ctx, group, size, dims, shapes, rank, *pieces):
+        ctx.dims, ctx.piece_shapes = dims, [p.shape for p in pieces]
+        ctx.save_for_backward(rank)
+        return tuple(_remember(ctx, pieces, group, size, dims, shapes))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        (rank,) = ctx.saved_tensors
+        out = []
+        for grad, dim, piece_shape in zip(grads, ctx.dims, ctx.piece_shapes):
+            if grad is None:  # this parameter got no gradient (nor does it on one device)
+                out.append(None)
+                continue
+            length = piece_shape[dim]
+            index = torch.arange(length, device=grad.device) + rank.to(grad.device) * length
+            out.append(grad.index_select(dim, index))
+        return (None, None, None, None, None, *out)
+
+
+def gather_whole(group: str, size: int, dims: list[int], shapes: list[list[int]], rank: torch.Tensor,
+                 *pieces: torch.Tensor):
+    """Parameters that tensor parallelism uses whole, stored in 1/``size`` pieces over the
+    tensor-parallel ``group`` (``ParallelOptions.shard_whole``): all-gathered in one collective
+    where a layer reads them. Their gradient arrives whole and equal on every rank (the
+    tensor-parallel pass has already summed any partial one: its ``sync_grads`` reads the
+    gathered parameter), so the backward keeps rank ``rank``'s piece of it, communicating nothing."""
+    return _GatherWhole.apply(group, size, tuple(dims), tuple(tuple(s) for s in shapes), rank, *pieces)
 
 
 _REGATHER = object()  # a constant marker: what ``Regather.pack`` stores for a gathered parameter
