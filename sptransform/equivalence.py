@@ -91,6 +91,7 @@ class VerifyReport:
     pp: int = 1
     dp: int = 1
     ep: int = 1
+    shard_whole: bool = False
     steps: int = 1
     rtol: float = 1e-4
     recompute: str | float | int = "none"
@@ -124,6 +125,7 @@ class VerifyReport:
     def __str__(self) -> str:
         layout = (f"tp={self.tp}" + (f" pp={self.pp}" if self.pp > 1 else "") + (f" dp={self.dp}" if self.dp > 1 else "")
                   + (f" ep={self.ep}" if self.ep > 1 else "") + f" sp={self.sp}"
+                  + (" shard_whole=True" if self.shard_whole else "")
                   + (f" recompute={self.recompute!r} compile={self.compile!r}" if self.recompute != "none" else ""))
         lines = [f"sptransform.verify: {layout}, {self.engine}, {self.steps} SGD step{'s' if self.steps != 1 else ''}, "
                  f"rtol {self.rtol:g}"]
@@ -290,7 +292,7 @@ def verify(
         torch.manual_seed(SEED)
         begin("single device")
         args, kwargs, notes = _inputs(model, example_inputs, tp, dp)
-        fields = dict(tp=tp, sp=sp, pp=pp, dp=dp, ep=ep, steps=steps, rtol=rtol, recompute=recompute, compile=compile)
+        fields = dict(tp=tp, sp=sp, pp=pp, dp=dp, ep=ep, shard_whole=shard_whole, steps=steps, rtol=rtol, recompute=recompute, compile=compile)
         if pp > 1 and model.training:
             model = faithful_deepcopy(model).eval()
             notes.append("pp > 1: pipeline ranks draw dropout masks per microbatch and per process, which no "

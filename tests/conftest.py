@@ -1,5 +1,6 @@
-"""Shared test setup: the helpers in tests/ are importable from every folder, and every test
-leaves no process group and no simulated ranks behind (so no test depends on test order)."""
+"""Shared test setup: the helpers in tests/ are importable from every folder, every test
+leaves no process group and no simulated ranks behind (so no test depends on test order), and
+under pytest-xdist the multi-process tests run one after another on one worker."""
 
 from __future__ import annotations
 
@@ -25,3 +26,14 @@ def _no_global_state_left_behind(request):
         leaked.append("an active LocalTensorMode")
     if leaked:
         pytest.fail(f"{request.node.nodeid} left {' and '.join(leaked)} behind", pytrace=False)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist with ``--dist loadgroup`` (the README's test command: ``-n 2``) every
+    ``slow`` test (real gloo processes, up to 8 ranks each, on a 2-core machine) joins one group,
+    which one worker runs one test after another, as a plain ``pytest`` run does: two of them at
+    once would double the waits their collective timeouts bound. The in-process tests are shared
+    out to both workers, so they run beside the slow ones."""
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(pytest.mark.xdist_group("processes"))

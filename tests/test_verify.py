@@ -413,6 +413,16 @@ def test_cli_preset_equal_and_refused(capsys):
     assert rc == 2 and "REFUSED" in out and "25 attention heads" in out
 
 
+def test_cli_shard_whole_stores_what_tp_keeps_whole_in_pieces(capsys):
+    rc, out, _ = _cli(capsys, "--model", "gpt2-tiny", "--tp", "2", "--layers", "1", "--simulated")
+    held = float(out.split("held per rank: ")[1].split()[0])
+    rc_whole, out_whole, _ = _cli(capsys, "--model", "gpt2-tiny", "--tp", "2", "--layers", "1", "--simulated",
+                                  "--shard-whole")
+    assert rc == rc_whole == 0 and "verdict: EQUAL" in out_whole and "shard_whole=True" in out_whole, out_whole
+    # GPT-2's positions table, norms and biases in pieces too: every weight split
+    assert held > 0.51 and "held per rank: 0.500 " in out_whole, (held, out_whole)
+
+
 def test_cli_different(capsys, monkeypatch):
     _drop_parameter_gradient_sums(monkeypatch)
     rc, out, _ = _cli(capsys, "--model", "gpt2-tiny", "--tp", "2", "--layers", "1", "--seq", "8", "--simulated")

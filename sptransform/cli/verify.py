@@ -82,6 +82,8 @@ def register(subparsers) -> None:
     parser.add_argument("--ep", type=int_type(1, MAX_RANKS, why="it divides --dp"), default=1,
                         help="expert-parallel groups of this many dp ranks split the experts (default 1; divides --dp; "
                              "a transformers MoE model's experts then run as batched_mm)")
+    parser.add_argument("--shard-whole", dest="shard_whole", action="store_true",
+                        help="store what tensor parallelism keeps whole in 1/tp pieces (parallelize's shard_whole)")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--processes", dest="processes", action="store_true", default=None,
                        help="real gloo processes, also where that needs the model pickled and it cannot be (an error)")
@@ -128,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     with _torchrun_group() as rank:
         try:
             report = verify(model, tp=tp, sp=args.sp, pp=pp, dp=dp, ep=args.ep, example_inputs=example_inputs, steps=steps,
-                            rtol=rtol, timeout_s=timeout, processes=args.processes)
+                            rtol=rtol, timeout_s=timeout, processes=args.processes, shard_whole=args.shard_whole)
         except Exception as error:  # bad inputs, the model itself failing on single device, a timeout
             message = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
             raise ValueError(_one_line(message)) from error

@@ -42,13 +42,14 @@ def whole_parameters(params: dict[fx.Node, str], placements: dict[str, ParamPlac
     """The trainable parameters the rewrite stores whole on every rank (no placement, or split in
     the graph but stored whole) and a dim of theirs that ``tp`` divides (the largest: the pieces
     are then the longest runs); ``skip``: names split another way (experts over ``ep``). A
-    parameter with no such dim stays whole. One this graph does not read is stored split too (so
-    every graph of a module agrees on it), with nothing to gather."""
+    parameter with no such dim stays whole, and so does one this graph does not read: a tied
+    weight's other name (the module stores a tied parameter as planned under the name the graph
+    reads)."""
     found = {}
     for node, name in params.items():
         val = node.meta.get("val")
         placement = placements.get(name)
-        if name in skip or val is None or not val.requires_grad:
+        if name in skip or val is None or not val.requires_grad or not node.users:
             continue
         if placement is not None and placement.storage is not None:
             continue
@@ -63,7 +64,6 @@ def shard_whole(gm: fx.GraphModule, found: dict[fx.Node, int], params: dict[fx.N
     """Insert one ``gather_whole`` per layer for the parameters of ``found`` (placeholder -> its
     dim), in front of their first reader (see the module docstring). A parameter's layer is that
     of the first row-parallel linear at or after its first use, as the data-parallel buckets'."""
-    found = {p: dim for p, dim in found.items() if p.users}
     if not found:
         return gm
     position = {n: i for i, n in enumerate(gm.graph.nodes)}

@@ -187,10 +187,13 @@ class PipelinedModule(ModuleCore):
             mb_args, mb_kwargs = self._microbatch
             graph: ParallelGraph = self._factory.build(mb_args, mb_kwargs, modes=self._modes())
             if graph.plan is not None:
-                for name in graph.captured.param_names:
+                captured = graph.captured
+                read = {name for node, name in zip(captured.state_placeholders, captured.state_names) if node.users}
+                for name in captured.param_names:
                     old, new = self._placements.get(name), graph.plan.placements.get(name)
-                    if ((old.spec, old.storage) if old else (None, None)) != \
-                            ((new.spec, new.storage) if new else (None, None)):
+                    # how a parameter this graph reads is stored (shard_whole) must agree too
+                    stored = [(p.storage if p else None) if name in read else None for p in (old, new)]
+                    if (old.spec if old else None) != (new.spec if new else None) or stored[0] != stored[1]:
                         raise ValueError(
                             f"in this train/eval mode parameter {name!r} would need another split "
                             f"({new.spec if new else None} instead of {old.spec if old else None}): build the pipeline "
