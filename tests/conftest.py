@@ -28,6 +28,7 @@ def _no_global_state_left_behind(request):
         pytest.fail(f"{request.node.nodeid} left {' and '.join(leaked)} behind", pytrace=False)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist with ``--dist loadgroup`` (the README's test command: ``-n 2``) every
     ``slow`` test (real gloo processes, up to 8 ranks each, on a 2-core machine) joins one group,
