@@ -375,7 +375,7 @@ def _shard_whole(gm: fx.GraphModule, build: Build) -> PassResult:
     for node, dim in found.items():
         name = build.params[node]
         build.placements[name] = stored_split(build.placements.get(name), dim, shape_of(node)[dim])
-    gm = shard_whole(gm, found, build.params, group=build.group, tp=build.options.tp, rank=build.plan.rank,
+    gm = shard_whole(gm, found, group=build.group, tp=build.options.tp, rank=build.plan.rank,
                      layer_rows=build.layer_rows())
     return PassResult(gm, bool(found))
 

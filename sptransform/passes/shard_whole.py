@@ -59,8 +59,8 @@ def whole_parameters(params: dict[fx.Node, str], placements: dict[str, ParamPlac
     return found
 
 
-def shard_whole(gm: fx.GraphModule, found: dict[fx.Node, int], params: dict[fx.Node, str], *, group: str, tp: int,
-                rank: fx.Node, layer_rows: list[tuple[fx.Node, int]]) -> fx.GraphModule:
+def shard_whole(gm: fx.GraphModule, found: dict[fx.Node, int], *, group: str, tp: int, rank: fx.Node,
+                layer_rows: list[tuple[fx.Node, int]]) -> fx.GraphModule:
     """Insert one ``gather_whole`` per layer for the parameters of ``found`` (placeholder -> its
     dim), in front of their first reader (see the module docstring). A parameter's layer is that
     of the first row-parallel linear at or after its first use, as the data-parallel buckets'."""

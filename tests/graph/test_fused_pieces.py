@@ -145,6 +145,12 @@ def test_models_reading_pieces_of_a_weight_equal_one_device(model, split):
     # TwoMLPs: the fused weight is split (stored whole on every rank, cut in the graph); HalfColumn: replicated.
     assert report.linears == ((4, 4) if split else (1, 3)), str(report)
     assert rows["w"] == "Replicate()", rows
+    # shard_whole: the same weight stored in pieces, gathered, then (TwoMLPs) cut in the graph: the
+    # gather's backward keeps its piece of the gradient the cut's all-reduce has made whole
+    whole = sptransform.verify(model().double(), tp=2, sp=False, example_inputs=(torch.randn(2, 4, 16).double(),),
+                               processes=False, shard_whole=True)
+    assert whole.ok and whole.held_share == pytest.approx(0.5), str(whole)
+    assert {r.name: r.placement for r in whole.rows if r.kind == "grad"}["w"] == "Shard(0)", str(whole)
 
 
 class TakenApart(nn.Module):
