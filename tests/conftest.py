@@ -4,11 +4,17 @@ under pytest-xdist the multi-process tests run one after another on one worker."
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 
-import pytest
-import torch.distributed as dist
+# One torch (OpenMP) thread per test process, set before torch is imported here: the xdist workers
+# and the gloo ranks the tests spawn (they inherit it) already share the 2 cores, and more threads
+# than cores spin-wait on each other (tests/integration/test_experts_gloo.py, 2 ranks: 60 s with the default, 36 s with 1).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))  # simulate.py, tiny_models.py
 
