@@ -10,7 +10,8 @@ import sys
 
 # One torch (OpenMP) thread per test process, set before torch is imported here: the xdist workers
 # and the gloo ranks the tests spawn (they inherit it) already share the 2 cores, and more threads
-# than cores spin-wait on each other (tests/integration/test_experts_gloo.py, 2 ranks: 60 s with the default, 36 s with 1).
+# than cores spin-wait on each other (tests/integration/test_experts_gloo.py, 2 ranks: 60 s with
+# the default, 36 s with 1).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
