@@ -3,8 +3,8 @@
 sptransform is tested on one torch minor version (``TESTED_TORCH``); private APIs can change
 in any release, so importing sptransform on another version is a clear error here rather
 than an ``AttributeError`` deep inside a pass. Set ``SPTRANSFORM_ALLOW_UNTESTED_TORCH=1`` to
-import anyway (a warning is issued; a missing private API then fails with a message naming
-it, at import of this module).
+import anyway: a warning names the private APIs that torch lacks, and each of them raises an
+``ImportError`` naming it when used, so what does not need them runs.
 
 No other module of sptransform imports a private torch name (``torch._*`` modules or
 ``_``-prefixed attributes); ``tests/test_torch_internals.py`` checks that.
@@ -13,8 +13,10 @@ No other module of sptransform imports a private torch name (``torch._*`` module
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
+import sys
 import warnings
 import weakref
 
@@ -149,10 +151,71 @@ try:
     # Public replacement: none (torch.multiprocessing.reductions is internal plumbing).
     from torch.multiprocessing.reductions import StorageWeakRef
 except (ImportError, AttributeError) as error:  # pragma: no cover - only on an untested torch
-    raise ImportError(
-        f"sptransform needs a private torch API that torch {torch.__version__} does not have ({error}); "
-        f"install torch=={'.'.join(map(str, TESTED_TORCH))}.*"
-    ) from error
+    if os.environ.get("SPTRANSFORM_ALLOW_UNTESTED_TORCH") != "1":
+        raise ImportError(
+            f"sptransform needs a private torch API that torch {torch.__version__} does not have ({error}); "
+            f"install torch=={'.'.join(map(str, TESTED_TORCH))}.*, or set SPTRANSFORM_ALLOW_UNTESTED_TORCH=1 to "
+            "import anyway (what needs the missing API then fails when used)"
+        ) from error
+    _MISSING = None  # set below, once the helpers exist
+
+
+class _Missing:
+    """A private torch API this torch lacks (only with ``SPTRANSFORM_ALLOW_UNTESTED_TORCH=1``):
+    using it raises, naming it, so what does not need it still runs on that torch."""
+
+    def __init__(self, name: str, error: Exception):
+        self._name, self._error = name, error
+
+    def _fail(self):
+        raise ImportError(f"{self._name} is not in torch {torch.__version__} ({self._error}); sptransform needs it "
+                          f"here: install torch=={'.'.join(map(str, TESTED_TORCH))}.*")
+
+    def __call__(self, *args, **kwargs):
+        self._fail()
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        self._fail()
+
+
+def _import_each() -> list[str]:
+    """The module's first ``try`` block again, one imported name at a time: each name this torch
+    has is bound, each it lacks becomes a ``_Missing``. Returns the missing names."""
+    import ast
+    import importlib
+
+    tree = ast.parse(inspect.getsource(sys.modules[__name__]))
+    block = next(node for node in tree.body if isinstance(node, ast.Try))
+    missing = []
+    for statement in ast.walk(ast.Module(body=block.body, type_ignores=[])):
+        if isinstance(statement, ast.ImportFrom):
+            pairs = [(statement.module, alias.name, alias.asname or alias.name) for alias in statement.names]
+        elif isinstance(statement, ast.Import):
+            pairs = [(alias.name, None, alias.asname) for alias in statement.names]
+        else:
+            continue
+        for module, name, bound in pairs:
+            label = f"{module}.{name}" if name else module
+            try:
+                value = importlib.import_module(module)
+                if name is not None:  # from module import name: an attribute or a submodule
+                    value = getattr(value, name) if hasattr(value, name) else importlib.import_module(label)
+                elif bound is None:  # import a.b binds a
+                    bound, value = module.split(".")[0], importlib.import_module(module.split(".")[0])
+            except (ImportError, AttributeError) as error:
+                value = _Missing(label, error)
+                missing.append(label)
+            bound = bound or name or module.split(".")[0]
+            globals()[bound] = value
+    return missing
+
+
+if "_MISSING" in globals():  # pragma: no cover - only on an untested torch
+    _MISSING = _import_each()
+    warnings.warn(f"torch {torch.__version__} lacks {len(_MISSING)} private API(s) sptransform uses: "
+                  f"{', '.join(_MISSING)}; what needs them raises ImportError when used", RuntimeWarning, stacklevel=2)
 
 
 def sharding_propagator():
@@ -221,6 +284,26 @@ def inductor_decomposed(gm, example_inputs):
         return make_fx(gm, decomposition_table=select_decomp_table())(*example_inputs)
 
 
+def inductor_rewrites(gm):
+    """Inductor's joint-graph rewrites (``joint_graph_passes``: no-op removal, uniform-constant
+    folding, its pattern library), run on a forward or backward graph partitioned outside
+    inductor, which ``compile_fx_forward``/``_backward`` would otherwise compile without them.
+    The one that matters most: a decomposed ``nll_loss_backward`` is a ``scatter`` into a
+    zero-filled tensor, which inductor materialises as a whole (tokens x vocabulary, float32:
+    1000 MiB at 8192 tokens and a 32000 vocabulary, measured on an H200) unless the rewrite makes
+    it the pointwise ``where(iota == target, ...)`` it fuses into the softmax's backward.
+    Random ops are not replaced (``fallback_random`` is set around every call; see
+    ``inductor_graph_compilers``). Public replacement: none (``torch.compile`` runs them only
+    on the joint graph it partitions itself)."""
+    from torch._inductor.fx_passes.joint_graph import joint_graph_passes
+    from torch._inductor.virtualized import V
+
+    placeholders = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+    mode = detect_fake_mode(placeholders)
+    with V.set_fake_mode(mode) if mode is not None else contextlib.nullcontext():
+        return joint_graph_passes(gm)
+
+
 def inductor_decompositions() -> dict:
     """Inductor's decomposition table: what ``torch.compile``'s AOTAutograd traces the joint graph
     with (``partition_module`` measures torch's partitions on such graphs, as torch.compile makes
@@ -259,7 +342,10 @@ def inductor_graph_compilers(num_user_outputs: int, model=None):
     from torch._inductor import compile_fx as inductor
     from torch._inductor import config as inductor_config
 
-    extra = inductor.create_compiler_config_extra(model)
+    # torch 2.13 reads the model's cudagraph annotation; torch 2.11 took inductor's config module
+    # (only reached with SPTRANSFORM_ALLOW_UNTESTED_TORCH=1, to measure on an older torch).
+    takes_config = next(iter(inspect.signature(inductor.create_compiler_config_extra).parameters)) == "config"
+    extra = inductor.create_compiler_config_extra(inductor_config if takes_config else model)
 
     # fallback_random: the random ops (dropout masks, drawn from the generators that
     # ``passes.dropout`` and the remat replay set) run as ATen's, so the masks are eager's;
@@ -277,13 +363,14 @@ def inductor_graph_compilers(num_user_outputs: int, model=None):
     def fw_compiler(gm, example_inputs):
         with settings(gm):
             return inductor.compile_fx_forward(
-                inductor_decomposed(gm, example_inputs), example_inputs, num_orig_model_outputs=num_user_outputs,
+                inductor_rewrites(inductor_decomposed(gm, example_inputs)), example_inputs,
+                num_orig_model_outputs=num_user_outputs,
                 num_example_inputs=len(example_inputs), compiler_config_extra=extra,
             )
 
     def bw_compiler(gm, example_inputs):
         with settings(gm):
-            return inductor.compile_fx_backward(inductor_decomposed(gm, example_inputs), example_inputs,
+            return inductor.compile_fx_backward(inductor_rewrites(inductor_decomposed(gm, example_inputs)), example_inputs,
                                                 compiler_config_extra=extra)
 
     return fw_compiler, bw_compiler
@@ -458,7 +545,7 @@ __all__ = [
     "FakeStore", "FakeTensor", "FakeTensorMode", "LocalTensor", "LocalTensorMode", "StorageWeakRef", "StridedShard",
     "TESTED_TORCH", "aot_module_simplified", "default_partition", "detect_fake_mode", "dtensor_as", "dynamo_static_input",
     "funcol", "plain_dtensor",
-    "functorch_config", "generate_stage_to_rank_mapping", "get_schedule_ops", "hold_mesh_groups_weakly", "inductor_decomposed",
+    "functorch_config", "generate_stage_to_rank_mapping", "get_schedule_ops", "hold_mesh_groups_weakly", "inductor_decomposed", "inductor_rewrites",
     "inductor_graph_compilers", "local_tensor_mode",
     "local_values",
     "make_boxed_func",

@@ -159,3 +159,29 @@ def test_tested_version_matches_pyproject():
     pyproject = (PACKAGE.parent / "pyproject.toml").read_text()
     major, minor = internals.TESTED_TORCH
     assert f'"torch>={major}.{minor},<{major}.{minor + 1}"' in pyproject
+
+
+def test_untested_torch_lacking_a_private_api_imports_and_fails_only_where_it_is_used():
+    """With SPTRANSFORM_ALLOW_UNTESTED_TORCH=1 on a torch without one of the private APIs (here
+    ``tensor_map`` removed from ``torch.distributed._local_tensor``, as torch 2.11 lacks it):
+    sptransform imports, a warning names what is missing, every other name is bound to torch's
+    own object, and the missing one raises an ImportError naming it when called."""
+    code = (
+        "import os, warnings, torch, torch.distributed._local_tensor as lt\n"
+        "del lt.tensor_map\n"
+        "os.environ['SPTRANSFORM_ALLOW_UNTESTED_TORCH'] = '1'\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import sptransform.torch_internals as t\n"
+        "print('WARNED', any('tensor_map' in str(w.message) for w in caught))\n"
+        "print('BOUND', t.FakeTensorMode is __import__('torch._subclasses.fake_tensor', fromlist=['x']).FakeTensorMode,"
+        " t.funcol.__name__, t.partitioners.__name__)\n"
+        "try:\n"
+        "    t.tensor_map(None, None)\n"
+        "except ImportError as e:\n"
+        "    print('RAISED', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "WARNED True" in out.stdout, out.stderr[-2000:]
+    assert "BOUND True torch.distributed._functional_collectives torch._functorch.partitioners" in out.stdout
+    assert "RAISED torch.distributed._local_tensor.tensor_map is not in torch" in out.stdout

@@ -49,19 +49,19 @@ ALL_GATHERS = frozenset({
     torch.ops._c10d_functional_autograd.all_gather_into_tensor.default,
 })
 # Fused softmax-attention kernels (forward only), by overload packet.
-_FUSED_ATTENTION = frozenset({
-    aten.scaled_dot_product_attention,
-    aten._scaled_dot_product_flash_attention,
-    aten._scaled_dot_product_flash_attention_for_cpu,
-    aten._scaled_dot_product_efficient_attention,
-    aten._scaled_dot_product_cudnn_attention,
-    aten._scaled_dot_product_fused_attention_overrideable,
-    aten._flash_attention_forward,
-    aten._flash_attention_forward_no_dropout_inplace,
-    aten._efficient_attention_forward,
-    aten._scaled_dot_product_attention_math,
-    aten._scaled_dot_product_attention_math_for_mps,
-})
+_FUSED_ATTENTION = frozenset(getattr(aten, name) for name in (
+    "scaled_dot_product_attention",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable",
+    "_flash_attention_forward",
+    "_flash_attention_forward_no_dropout_inplace",  # by name: not in every torch (2.11 lacks it)
+    "_efficient_attention_forward",
+    "_scaled_dot_product_attention_math",
+    "_scaled_dot_product_attention_math_for_mps",
+) if hasattr(aten, name))
 
 JOINT_ID = "sptransform_joint_id"
 """``node.meta`` key: a node's position in the joint forward+backward graph it was partitioned
