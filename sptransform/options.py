@@ -300,8 +300,10 @@ class RematOptions:
     """Let every policy recompute memory-bound ops (pointwise ops, casts, norms, softmax: no
     matmul, collective or random draw) in the backward where that keeps fewer bytes, as torch's
     default partitioner does after inductor's decompositions, so no policy keeps more than
-    ``torch.compile`` would. False saves their outputs, as eager PyTorch (and the paper's Table 2)
-    counts."""
+    ``torch.compile`` would. A bare reduction (``sum``, ``mean``, ``amax``, ``var_mean``: a loss's
+    log-softmax statistics, a hand-written RMSNorm's mean) is saved, never run again, as torch
+    bans too: its output is small and running it again re-reads its whole input. False saves
+    their outputs, as eager PyTorch (and the paper's Table 2) counts."""
     flops_per_comm_byte: float = 1000.0
     """Recompute cost of moving one byte, in FLOPs (about an A100's FLOP/s over its NVLink B/s)."""
     blocks: tuple[BlockKind, ...] = ()

@@ -304,6 +304,17 @@ def inductor_rewrites(gm):
         return joint_graph_passes(gm)
 
 
+def log_softmax_decompositions() -> dict:
+    """``_log_softmax`` and its backward as the primitives they are made of (``amax``, ``sub``,
+    ``exp``, ``sum``, ``log``): traced so, a loss's log-softmax keeps two per-row statistics a
+    partition can save, where the one composite op could only be saved whole (tokens x vocabulary,
+    float32) or recomputed whole, reductions included, in the backward. Public replacement: none
+    (``torch._decomp`` is the table torch.export and AOTAutograd read)."""
+    from torch._decomp import get_decompositions
+
+    return get_decompositions([torch.ops.aten._log_softmax, torch.ops.aten._log_softmax_backward_data])
+
+
 def inductor_decompositions() -> dict:
     """Inductor's decomposition table: what ``torch.compile``'s AOTAutograd traces the joint graph
     with (``partition_module`` measures torch's partitions on such graphs, as torch.compile makes
@@ -545,7 +556,7 @@ __all__ = [
     "FakeStore", "FakeTensor", "FakeTensorMode", "LocalTensor", "LocalTensorMode", "StorageWeakRef", "StridedShard",
     "TESTED_TORCH", "aot_module_simplified", "default_partition", "detect_fake_mode", "dtensor_as", "dynamo_static_input",
     "funcol", "plain_dtensor",
-    "functorch_config", "generate_stage_to_rank_mapping", "get_schedule_ops", "hold_mesh_groups_weakly", "inductor_decomposed", "inductor_rewrites",
+    "functorch_config", "generate_stage_to_rank_mapping", "get_schedule_ops", "hold_mesh_groups_weakly", "inductor_decomposed", "inductor_rewrites", "log_softmax_decompositions",
     "inductor_graph_compilers", "local_tensor_mode",
     "local_values",
     "make_boxed_func",

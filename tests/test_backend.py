@@ -145,7 +145,8 @@ def test_loss_backward_reaches_inductor_without_a_scatter_into_zeros(monkeypatch
     tokens x vocabulary float32 tensor, which inductor materialises (1000 MiB of peak memory at
     8192 tokens x 32000 on an H200: ``benchmarks/one_gpu.py``) unless inductor's joint-graph rewrite
     makes it a pointwise ``where``. The graphs partitioned by sptransform get that rewrite too:
-    the backward handed to inductor has no ``scatter``, and the gradients are eager's."""
+    the backward handed to inductor has no ``scatter``, recomputes no ``amax`` of the log-softmax,
+    and the gradients are eager's."""
     import torch._inductor.compile_fx as compile_fx
     import torch.nn.functional as F
 
@@ -158,10 +159,12 @@ def test_loss_backward_reaches_inductor_without_a_scatter_into_zeros(monkeypatch
 
     monkeypatch.setattr(compile_fx, "compile_fx_backward", spy)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Embedding(97, 16), torch.nn.Linear(16, 97))
+    # bf16 logits, the loss in float32 (as the H200 run): the log-softmax output is then twice the
+    # logits' bytes, and a partition that cannot save its statistics recomputes it whole
+    model = torch.nn.Sequential(torch.nn.Embedding(97, 16), torch.nn.Linear(16, 97)).to(torch.bfloat16)
 
     def loss_of(m, ids):
-        return F.cross_entropy(m(ids).flatten(0, 1), ids.flatten())
+        return F.cross_entropy(m(ids).flatten(0, 1).float(), ids.flatten())
 
     ids = torch.randint(0, 97, (2, 8))
     compiled_model = copy.deepcopy(model)
@@ -171,5 +174,8 @@ def test_loss_backward_reaches_inductor_without_a_scatter_into_zeros(monkeypatch
                              options={"policy": "none"}, fullgraph=True)
     compiled(ids).backward()
     assert len(handed) == 1 and not any("scatter" in target for target in handed[0]), handed
+    # the log-softmax's row statistics are saved, not recomputed: no reduction over the vocabulary
+    # runs again in the backward (0.66 against 0.32 ms on the H200 run when it did)
+    assert not any("amax" in target for target in handed[0]), handed
     for (name, a), (_, b) in zip(model.named_parameters(), compiled_model.named_parameters()):
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-2, atol=1e-3, msg=name)  # bf16
