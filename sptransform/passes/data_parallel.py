@@ -71,7 +71,7 @@ def data_parallel(gm: fx.GraphModule, params: dict[fx.Node, str], plan: DataPara
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     rows = sorted((position[r], layer) for r, layer in layer_rows if r in position)
     ordered = sorted(used, key=lambda p: min(position[u] for u in p.users))  # by first use
-    groups = dict(zip(ordered, _by_layer(ordered, rows, position) if rows else _by_size(ordered, bucket_bytes)))
+    groups = dict(zip(ordered, by_layer(ordered, rows, position) if rows else _by_size(ordered, bucket_bytes)))
     buckets: dict[tuple[int, bool, bool], list[fx.Node]] = defaultdict(list)
     for param in sorted(used, key=position.__getitem__):  # a bucket's members in parameter order
         gathered = plan.zero >= 1 and plan.dims.get(used[param]) is not None
@@ -102,7 +102,7 @@ buckets of about this many bytes, as DDP's ``bucket_cap_mb`` does, so that a buc
 while the backward of the parameters used before it runs."""
 
 
-def _by_layer(ordered: list[fx.Node], rows: list[tuple[int, int]], position: dict) -> list[int]:
+def by_layer(ordered: list[fx.Node], rows: list[tuple[int, int]], position: dict) -> list[int]:
     """Each parameter's layer: that of the first row-parallel linear at or after its first use (the
     last layer's number + 1 after the last one)."""
     groups = []

@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from sptransform.graph.placement import ParamPlacement, whole
 from sptransform.passes.base import insert_bucket
-from sptransform.passes.data_parallel import zero_dim
+from sptransform.passes.data_parallel import by_layer, zero_dim
 from sptransform.runtime.zero import gather_whole
 
 
@@ -54,7 +54,7 @@ def whole_parameters(params: dict[fx.Node, str], placements: dict[str, ParamPlac
         if placement is not None and placement.storage is not None:
             continue
         dim = zero_dim(tuple(val.shape), (), tp)
-        if dim is not None and val.shape[dim] >= tp:
+        if dim is not None and val.shape[dim] >= tp:  # tp divides an empty dim too: nothing to split
             found[node] = dim
     return found
 
@@ -68,10 +68,10 @@ def shard_whole(gm: fx.GraphModule, found: dict[fx.Node, int], *, group: str, tp
         return gm
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     rows = sorted((position[r], layer) for r, layer in layer_rows if r in position)
+    ordered = sorted(found, key=position.__getitem__)
+    layers = by_layer(ordered, rows, position) if rows else [0] * len(ordered)  # no row linear: one bucket
     buckets: dict[int, list[fx.Node]] = defaultdict(list)
-    for param in sorted(found, key=position.__getitem__):
-        first_use = min(position[u] for u in param.users)
-        layer = next((layer for pos, layer in rows if pos >= first_use), rows[-1][1] + 1 if rows else 0)
+    for param, layer in zip(ordered, layers):
         buckets[layer].append(param)
     for _, members in sorted(buckets.items()):
         first_user = min((u for p in members for u in p.users), key=position.__getitem__)
