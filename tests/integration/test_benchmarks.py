@@ -101,3 +101,19 @@ def test_dp_tp_benchmark_sides_train_like_one_device(tmp_path):
     header = next(line for line in stdout.splitlines() if line.startswith("side ") and "/ anchor" in line)
     for column in ("median s", "min s", "max s", "/ anchor", "collectives", "waits", "fill_", "peak MiB"):
         assert column in header, header
+
+
+def test_one_device_benchmark_sides_train_like_eager(tmp_path):
+    """``benchmarks/one_gpu.py`` (written for a GPU) runs its code path on the CPU at a tiny size:
+    each side's first loss is eager's, and the graph-read bytes are there for the partitioned
+    sides (what the README's one-GPU table compares with the allocator's)."""
+    out = tmp_path / "one.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "one_gpu.py"), "--device", "cpu", "--models", "gpt2",
+           "--sides", "eager", "backend none", "--layers", "1", "--hidden", "32", "--heads", "4", "--vocab", "128",
+           "--seq", "16", "--batch", "2", "--dtype", "float32", "--steps", "2", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]["gpt2"]
+    assert not [side for side, r in rows.items() if "error" in r or "predicted_error" in r], rows
+    assert rows["backend none"]["loss"] == pytest.approx(rows["eager"]["loss"], rel=1e-5)
+    assert rows["backend none"]["predicted_bytes"] > 0 and rows["eager"]["predicted_bytes"] is None
