@@ -23,8 +23,9 @@ counts read from its graph (``sptransform.runtime.explain.collective_counts``) a
     python benchmarks/tp_vs_dtensor.py [--layers 4 --hidden 256 --heads 8 --vocab 8192
         --seq 256 --batch 4 --steps 8 --warmup 2] [--compiled] [--json out.json]
 
-``--compiled`` adds compiled sides with and without sequence parallelism: ``torch.compile(pm)``
-and ``torch.compile`` of the DTensor-planned model under ``loss_parallel`` (default inductor
+``--compiled`` adds compiled sides with and without sequence parallelism: ``torch.compile(pm)``,
+``parallelize(..., recompute=1.0, compile="inductor")`` (sptransform's own partition, which keeps
+what ``"none"`` keeps, its overlap pass, then inductor) and ``torch.compile`` of the DTensor-planned model under ``loss_parallel`` (default inductor
 backend, both), and the DTensor-planned model with each transformer block compiled on its own
 (torchtitan's ``apply_compile``; embedding, head and loss eager), the form whose sp=True side runs
 on torch 2.13 where the whole-model compile fails its first backward (pytorch/pytorch#173123);
@@ -546,7 +547,7 @@ def anchor_of(side: str) -> str | None:
 
 def second_anchor_of(side: str) -> str | None:
     """For a compiled sptransform side, the DTensor side compiled per block (torchtitan's form)."""
-    if not side.startswith("sptransform ") or "torch.compile" not in side:
+    if not side.startswith("sptransform ") or ("torch.compile" not in side and "compile=" not in side):
         return None
     return ("DTensor sp=True" if "sp=True" in side else "DTensor sp=False") + " per-block torch.compile"
 
@@ -841,11 +842,13 @@ def dtensor_worker(args: argparse.Namespace) -> dict:
         make.side_name = f"DTensor sp={sp}"
         return make
 
-    def ours_compiled(how: str, sp: bool = False):
-        """Compiled: ``torch.compile(pm)`` (default inductor backend) or, sp=False,
-        ``recompute="selective"`` with the partitioned graphs compiled by ``compile=how``."""
+    def ours_compiled(how: str, sp: bool = False, recompute="selective"):
+        """Compiled: ``torch.compile(pm)`` (default inductor backend) or ``recompute=recompute``
+        with the partitioned graphs compiled by ``compile=how`` (``recompute=1.0``: the budget that
+        keeps what ``"none"`` keeps, so nothing costly is recomputed, through sptransform's own
+        partition, overlap pass and inductor)."""
         name = f"sptransform sp={sp} torch.compile(pm)" if how == "torch.compile" else \
-            f'sptransform sp={sp} recompute=selective compile="{how}"'
+            f'sptransform sp={sp} recompute={recompute} compile="{how}"'
 
         def make() -> Side:
             inputs = {"input_ids": ids, "labels": labels, "use_cache": False}
@@ -854,7 +857,7 @@ def dtensor_worker(args: argparse.Namespace) -> dict:
                 compiled = torch.compile(pm)
                 return Side(name, pm, lambda m: hf_loss(compiled), note="unmodified HF GPT-2", count_collectives=False)
             pm = sptransform.parallelize(copy.deepcopy(base), tp=args.tp, sp=sp, example_inputs=inputs,
-                                         recompute="selective", compile=how)
+                                         recompute=recompute, compile=how)
             return Side(name, pm, hf_loss, note="unmodified HF GPT-2", count_collectives=False)
         make.side_name = name
         return make
@@ -889,8 +892,10 @@ def dtensor_worker(args: argparse.Namespace) -> dict:
 
     makers = [ours(True), ours(True, check_inputs=False), theirs(True), ours(False), theirs(False)]
     if args.compiled:
-        makers += [ours_compiled("torch.compile", sp=True), theirs_compiled(sp=True), theirs_compiled_blocks(sp=True),
-                   ours_compiled("torch.compile"), theirs_compiled(), theirs_compiled_blocks()]
+        makers += [ours_compiled("torch.compile", sp=True), ours_compiled("inductor", sp=True, recompute=1.0),
+                   theirs_compiled(sp=True), theirs_compiled_blocks(sp=True),
+                   ours_compiled("torch.compile"), ours_compiled("inductor", recompute=1.0), theirs_compiled(),
+                   theirs_compiled_blocks()]
     if args.compiled_recompute:
         makers += [ours_compiled("inductor"), ours_compiled("eager")]
     if args.sides:
