@@ -31,7 +31,8 @@ from sptransform.passes.remat import (
 from sptransform.graph.nodes import number_joint_nodes
 from sptransform.measure.flops import FlopsReport, flops_report
 from sptransform.torch_internals import (
-    default_partition, functorch_config, inductor_decompositions, inductor_partition, min_cut_rematerialization_partition,
+    default_partition, functorch_config, inductor_decompositions, inductor_partition, log_softmax_decompositions,
+    min_cut_rematerialization_partition,
 )
 from sptransform.transform import aot_compile, state_count
 from sptransform.measure.memory import MemoryReport, memory_report
@@ -137,7 +138,8 @@ def partition_module(
         captured.update(forward=fw, backward=bw)
         return fw, bw
 
-    decompositions = inductor_decompositions() if torch_partitioner == "torch-inductor" else None
+    # the joint graph inductor compiles: torch.compile's, or ours as compile="inductor" traces it
+    decompositions = inductor_decompositions() if torch_partitioner == "torch-inductor" else log_softmax_decompositions()
     compiled = aot_compile(wrapped, example_inputs, partition_fn=partition, decompositions=decompositions)
     if "backward" not in captured:
         raise ValueError("nothing requires grad: the module has no backward to partition")
