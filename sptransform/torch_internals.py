@@ -557,7 +557,7 @@ __all__ = [
     "TESTED_TORCH", "aot_module_simplified", "default_partition", "detect_fake_mode", "dtensor_as", "dynamo_static_input",
     "funcol", "plain_dtensor",
     "functorch_config", "generate_stage_to_rank_mapping", "get_schedule_ops", "hold_mesh_groups_weakly", "inductor_decomposed", "inductor_rewrites", "log_softmax_decompositions",
-    "inductor_graph_compilers", "local_tensor_mode",
+    "inductor_graph_compilers", "local_tensor_mode", "INDUCTOR_MENDED", "mend_inductor_mutation_renames",
     "local_values",
     "make_boxed_func",
     "maybe_disable_local_tensor_mode", "min_cut_rematerialization_partition", "partitioners", "pytree",
@@ -567,6 +567,48 @@ __all__ = [
     "propagate_through_decomposition", "wrap_with_op_strategy",
 ]
 
+
+
+def mend_inductor_mutation_renames() -> bool:
+    """Mend a torch 2.13 inductor defect that reads a collective's result before its wait.
+
+    Inductor lowers a functional collective in place on a buffer (``all_reduce_(buf)``) and its
+    ``wait_tensor`` as a mutation of that buffer; a kernel reading the result depends on the wait
+    through the buffer's renamed name (``mutation_renames``). The CPU backend, fusing two nodes
+    whose loops have different shapes (``CppScheduling``), re-derives a node's reads from its
+    loop body (``SchedulerNode.recompute_size_and_body``), which re-applies the renames only when
+    the node also has a fake dependency: otherwise the read is of the buffer's original name,
+    the dependency on the wait is gone, and a fused kernel may run between the collective and
+    its wait, reading the unreduced local values. Seen on real gloo ranks: HF DeepSeek-V4 at
+    tp=2 with SP compiled by inductor, a sigmoid computed before an ``all_reduce``'s wait fused
+    with the reader of its result (gradients off by up to 100%). The mend re-applies the node's
+    renames after every such recompute (what its sibling ``refresh_dependencies`` always does;
+    renaming twice is a no-op). Installed once, at import; idempotent; returns whether it is
+    installed. Public replacement: none (the fix belongs in torch)."""
+    try:
+        from torch._inductor.scheduler import SchedulerNode
+    except ImportError:  # pragma: no cover - a torch without inductor
+        return False
+    original = getattr(SchedulerNode, "recompute_size_and_body", None)
+    if original is None:  # pragma: no cover - an untested torch without the method
+        return False
+    if getattr(original, "_sptransform_mended", False):
+        return True
+
+    def recompute_size_and_body(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if self.mutation_renames:
+            self.set_read_writes(self.read_writes.rename(self.mutation_renames))
+
+    recompute_size_and_body._sptransform_mended = True
+    recompute_size_and_body.__wrapped__ = original
+    recompute_size_and_body.__doc__ = original.__doc__
+    SchedulerNode.recompute_size_and_body = recompute_size_and_body
+    return True
+
+
+INDUCTOR_MENDED = mend_inductor_mutation_renames()
+"""Whether ``mend_inductor_mutation_renames`` is installed (it is wherever torch has inductor)."""
 
 
 def default_store():

@@ -78,7 +78,7 @@ from sptransform.runtime.collectives import _resolve
 from sptransform.runtime.explain import collective_counts
 from sptransform.runtime.rng import RankGenerators
 from sptransform.torch_internals import (
-    aot_module_simplified, inductor_graph_compilers, local_tensor_mode, log_softmax_decompositions, make_boxed_func,
+    INDUCTOR_MENDED, aot_module_simplified, inductor_graph_compilers, local_tensor_mode, log_softmax_decompositions, make_boxed_func,
     maybe_disable_local_tensor_mode, pytree, stride_reporting,
 )
 
@@ -502,7 +502,7 @@ def graph_compilers(compile: GraphCompiler, num_user_outputs: int, module: torch
         compilers = eager_compiler, eager_compiler
     elif compile == "inductor":
         compilers = inductor_graph_compilers(num_user_outputs, module if isinstance(module, fx.GraphModule) else None)
-        compilers = tuple(_keyed_by_rank(c, rank_cache_tag()) for c in compilers)
+        compilers = tuple(_keyed_by_rank(c, compile_cache_tag()) for c in compilers)
     else:
         raise ValueError(f"compile={compile!r}: use one of {list(GRAPH_COMPILERS)}")
     return tuple(_scheduled(c) for c in compilers) if overlap else compilers
@@ -523,6 +523,18 @@ def rank_cache_tag() -> str:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return tag
     return f"{tag}|sptransform rank {dist.get_rank()}/{dist.get_world_size()}".lstrip("|")
+
+
+MENDED_TAG = "sptransform mends: inductor mutation renames"
+"""In the key of every graph sptransform compiles with inductor: code inductor generated without
+``torch_internals.mend_inductor_mutation_renames`` (which may read a collective's result before
+its wait) is never loaded from a cache written before the mend."""
+
+
+def compile_cache_tag() -> str:
+    """``rank_cache_tag`` with ``MENDED_TAG`` added (where the mend is installed)."""
+    tag = rank_cache_tag()
+    return f"{tag}|{MENDED_TAG}".lstrip("|") if INDUCTOR_MENDED else tag
 
 
 def _keyed_by_rank(compiler, tag: str):

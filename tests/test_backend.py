@@ -179,3 +179,60 @@ def test_loss_backward_reaches_inductor_without_a_scatter_into_zeros(monkeypatch
     assert not any("amax" in target for target in handed[0]), handed
     for (name, a), (_, b) in zip(model.named_parameters(), compiled_model.named_parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-2, atol=1e-3, msg=name)  # bf16
+
+
+def _collective_readers_before_wait(code: str) -> list[str]:
+    """Kernel calls of inductor's generated ``call`` that pass a collective's buffer between the
+    collective (``all_reduce_(bufN, ...)``) and its ``wait_tensor(bufN)``."""
+    call = code[code.index("def call("):]
+    lines = [line.strip() for line in call.splitlines() if line.strip() and not line.strip().startswith("#")]
+    early = []
+    for i, line in enumerate(lines):
+        issued = re.match(r"torch\.ops\._c10d_functional\.all_reduce_\.default\((buf\d+),", line)
+        if not issued:
+            continue
+        buffer = issued.group(1)
+        wait = next(j for j in range(i, len(lines)) if re.search(rf"wait_tensor\.default\({buffer}\)", lines[j]))
+        early += [x for x in lines[i + 1: wait] if re.search(rf"\b{buffer}\b", x)]
+    return early
+
+
+@pytest.mark.parametrize("mended", [True, False])
+def test_no_kernel_reads_a_collective_result_before_its_wait(mended, monkeypatch):
+    """torch 2.13's CPU inductor, fusing two loops of different shapes, re-derives a node's reads
+    without the buffer renames that tie a collective's readers to its wait; a sigmoid computed
+    before the wait (the overlap pass moves waits late) fused with the reader of the all-reduced
+    value then ran between the all-reduce and its wait (HF DeepSeek-V4, tp=2 with SP on real gloo
+    ranks: gradients off by up to 100%). With ``torch_internals.mend_inductor_mutation_renames``
+    (installed at import) every reader follows the wait; without it (``mended=False``) the
+    defect is there, so that this test sees what it guards."""
+    import torch._inductor.config as inductor_config
+    import torch._inductor.scheduler as scheduler
+    from torch._inductor.utils import run_and_get_code
+
+    from simulate import one_rank
+
+    if not mended:
+        monkeypatch.setattr(scheduler.SchedulerNode, "recompute_size_and_body",
+                            scheduler.SchedulerNode.recompute_size_and_body.__wrapped__)
+    functional = torch.ops._c10d_functional
+    with one_rank() as group:
+        def f(x, y, a, b, c):
+            reduced = functional.wait_tensor(functional.all_reduce(x * 2, "sum", group))
+            gate = torch.sigmoid(y * a + b)  # [32, 4] loops; its readers below are flat
+            grad = torch.ops.aten.sigmoid_backward(reduced.squeeze(-1), gate)
+            return grad.sum([0, 1], keepdim=True), (grad * y).sum(), grad * c
+
+        inputs = (torch.randn(2, 16, 4, 1), torch.randn(2, 16, 4), torch.randn(4), torch.randn(4), torch.randn(1))
+        torch._dynamo.reset()
+        compiled = torch.compile(f, backend=_backend(), options={"policy": "none"}, fullgraph=True)
+        with inductor_config.patch(force_disable_caches=True):
+            out, codes = run_and_get_code(compiled, *inputs)
+        torch._dynamo.reset()
+        want = f(*inputs)
+    early = [line for code in codes for line in _collective_readers_before_wait(code)]
+    if mended:
+        assert not early, early
+        torch.testing.assert_close(out, want)
+    else:
+        assert early, "the defect did not show: torch may have fixed it (then drop the mend)"
