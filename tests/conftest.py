@@ -38,10 +38,11 @@ def _no_global_state_left_behind(request):
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist with ``--dist loadgroup`` (the README's test command: ``-n 2``) every
-    ``slow`` test (real gloo processes, up to 8 ranks each, on a 2-core machine) joins one group,
-    which one worker runs one test after another, as a plain ``pytest`` run does: two of them at
-    once would double the waits their collective timeouts bound. The in-process tests are shared
-    out to both workers, so they run beside the slow ones."""
+    ``slow`` test that spawns ranks (real gloo processes, up to 8 ranks each, on a 2-core
+    machine) joins one group, which one worker runs one test after another, as a plain
+    ``pytest`` run does: two of them at once would double the waits their collective timeouts
+    bound. The in-process tests, the slow ones marked ``in_process`` included, are shared out to
+    both workers, so they run beside the process tests."""
     for item in items:
-        if item.get_closest_marker("slow") is not None:
+        if item.get_closest_marker("slow") is not None and item.get_closest_marker("in_process") is None:
             item.add_marker(pytest.mark.xdist_group("processes"))

@@ -67,6 +67,7 @@ def _backend():
 
 
 @pytest.mark.slow
+@pytest.mark.in_process  # no spawned ranks: runs beside the process tests
 def test_default_backend_generates_inductor_code_and_trains_hf_gpt2_like_eager():
     """No ``compile`` option: inductor compiles the partitioned forward and backward (each asks
     its FX graph cache once), and HF GPT-2 with dropout gets eager's loss and every gradient
@@ -109,6 +110,7 @@ def test_unknown_backend_option_lists_the_valid_ones():
 
 
 @pytest.mark.slow
+@pytest.mark.in_process  # no spawned ranks: runs beside the process tests
 def test_fractional_budget_holds_over_the_graphs_of_hf_gpt2_called_with_labels(caplog):
     """Dynamo compiles HF GPT-2 called with ``labels`` as several graphs (it breaks at the loss);
     a fractional budget is split over them, each graph's plan fits its share (none is infeasible:

@@ -50,6 +50,7 @@ def test_generated_models_equal_one_device_or_are_refused(case):
 
 
 @pytest.mark.slow
+@pytest.mark.in_process  # no spawned ranks: runs beside the process tests
 @settings(max_examples=MORE, **SETTINGS)
 @given(case=simulated_cases())
 def test_more_generated_models_equal_one_device_or_are_refused(case):

@@ -40,6 +40,7 @@ def tiny_configs(draw):
 
 
 @pytest.mark.slow
+@pytest.mark.in_process  # no spawned ranks: runs beside the process tests
 @settings(derandomize=True, max_examples=14, deadline=None)
 @given(case=tiny_configs())
 def test_parallel_training_matches_single_device_for_any_config(case):

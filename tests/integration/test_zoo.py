@@ -161,6 +161,7 @@ def _word(expected) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.in_process  # no spawned ranks: runs beside the process tests
 def test_zoo_verify_matches_expectations():
     rows, problems = [], []
     for name in zoo.ZOO:

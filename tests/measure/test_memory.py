@@ -53,6 +53,7 @@ def test_table2_rows_reproduced_within_1_percent_for_gpt3_175b(row):
 
 
 @pytest.mark.slow
+@pytest.mark.in_process  # no spawned ranks: runs beside the process tests
 @pytest.mark.parametrize("model", ["gpt-22b", "gpt-530b", "gpt-1t"])
 @pytest.mark.parametrize("row", list(TABLE2_ROWS))
 def test_table2_rows_reproduced_within_1_percent_for_other_table3_models(model, row):
@@ -160,6 +161,7 @@ def test_graph_report_matches_bytes_autograd_holds_for_each_policy():
 
 
 @pytest.mark.slow
+@pytest.mark.in_process  # no spawned ranks: runs beside the process tests
 def test_graph_report_matches_bytes_autograd_holds_on_gpt2_small():
     # GPT-2 small (12 layers, 768 wide, vocab 50257) at sequence 64, batch 2: the issue's
     # config (seq 1024, batch 4) takes minutes per policy on 2 CPU cores; docs/remat.md has

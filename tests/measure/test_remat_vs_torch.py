@@ -86,6 +86,7 @@ def test_no_policy_keeps_more_than_torch_compile_default_partition(name):
 
 
 @pytest.mark.slow
+@pytest.mark.in_process  # no spawned ranks: runs beside the process tests
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_no_policy_keeps_more_than_torch_compile_default_partition_at_tp2(name):
     """The same on rank 0 of tp=2 with sequence parallelism."""

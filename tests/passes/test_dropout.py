@@ -143,6 +143,7 @@ def test_a_draw_functionalization_erased_is_refused_in_reference_mode_not_silent
 
 
 @pytest.mark.slow
+@pytest.mark.in_process  # no spawned ranks: runs beside the process tests
 def test_mbart_trains_equal_with_sp_and_dropout():
     """The sweep's case: MBart (labels -> shift_tokens_right writes in place -> functionalized graph,
     dropouts as native_dropout), 1 + 1 layers, float64, train(), tp=2, sp=True. Before: 1.4 off."""

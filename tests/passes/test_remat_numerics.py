@@ -33,6 +33,7 @@ def _loss_and_grads(model: GPT, options: RematOptions, idx: torch.Tensor, seed: 
 
 
 @pytest.mark.slow
+@pytest.mark.in_process  # no spawned ranks: runs beside the process tests
 @settings(derandomize=True, max_examples=5, deadline=None)
 @given(
     layers=st.integers(1, 2),

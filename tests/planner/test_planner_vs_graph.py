@@ -73,6 +73,7 @@ class _LossOnly(torch.nn.Module):
 
 
 @pytest.mark.slow
+@pytest.mark.in_process  # no spawned ranks: runs beside the process tests
 def test_planner_matches_hf_llama_traced_tensor_and_sequence_parallel():
     """HF's LlamaForCausalLM (its RMSNorm, rotary embedding, SDPA attention), bf16, tp=2 with
     SP, one rank's graph from sptransform's own pipeline: the planner's bytes for the shape

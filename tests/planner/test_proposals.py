@@ -51,6 +51,7 @@ def _top_proposals(count: int) -> tuple[ModelShape, list[dict]]:
 
 
 @pytest.mark.slow
+@pytest.mark.in_process  # no spawned ranks: runs beside the process tests
 def test_the_top_proposals_build_with_parallelize_on_meta_tensors():
     """Each of the planner's top 4 proposals (ZeRO-1 and 2 among them) through ``parallelize``:
     rank 0 of a fake process group of 8, the model built on meta with the preset's shape (its

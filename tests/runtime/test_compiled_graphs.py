@@ -73,6 +73,7 @@ def _zero_fills(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 @pytest.mark.slow  # two inductor-decomposed AOTAutograd traces per case (~20 s of CPU each)
+@pytest.mark.in_process  # no spawned ranks: runs beside the process tests
 @pytest.mark.parametrize("sp", [False, True])
 def test_compiled_graphs_wait_once_per_collective_and_fill_only_embedding_gradients(sp):
     """Per layer, tp=2: sp=False 2 all-reduces forward, 2 backward; sp=True 2 all-gathers and 2
