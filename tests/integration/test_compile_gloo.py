@@ -133,10 +133,10 @@ def _torch_compile_trains_from_loss_beside_dtensor_logits(world: int) -> None:
     assert _inductor_graphs() - before >= 4, _inductor_graphs() - before
 
 
-# Each example compiles a forward and a backward with inductor on both ranks (the slow part):
+# Each example compiles a forward and a backward with inductor on both ranks (the slow part, ~13 s):
 # the explicit examples cover every policy and both attentions, the draws add layouts. No
 # shrinking: both ranks must run the same examples in the same order.
-@settings(derandomize=True, max_examples=2, deadline=None, database=None, phases=(Phase.explicit, Phase.generate))
+@settings(derandomize=True, max_examples=1, deadline=None, database=None, phases=(Phase.explicit, Phase.generate))
 @given(config=st.builds(LayoutConfig, kv_heads=st.sampled_from([4, 2]), rope_dims=st.sampled_from([4, 8]),
                         expand=st.sampled_from(["expand", "repeat_interleave"]),
                         attention=st.sampled_from(["sdpa", "softcap"])),
