@@ -304,15 +304,20 @@ def inductor_rewrites(gm):
         return joint_graph_passes(gm)
 
 
-def log_softmax_decompositions() -> dict:
-    """``_log_softmax`` and its backward as the primitives they are made of (``amax``, ``sub``,
-    ``exp``, ``sum``, ``log``): traced so, a loss's log-softmax keeps two per-row statistics a
-    partition can save, where the one composite op could only be saved whole (tokens x vocabulary,
-    float32) or recomputed whole, reductions included, in the backward. Public replacement: none
+def statistics_decompositions() -> dict:
+    """The composite ops whose reductions yield small per-row statistics, as their primitives,
+    with their backwards: ``_log_softmax`` (``amax``, ``sub``, ``exp``, ``sum``, ``log``) and
+    ``native_layer_norm`` (``var_mean``, ``rsqrt``, then pointwise). Traced so, a partition can
+    save the statistics and recompute only the pointwise rest in the backward, where the one
+    composite op could only be saved whole (a loss's log-softmax: tokens x vocabulary, float32)
+    or recomputed whole, its reduction a second pass over its input (a layer norm's output,
+    which the next matmul's backward reads, was recomputed so). Public replacement: none
     (``torch._decomp`` is the table torch.export and AOTAutograd read)."""
     from torch._decomp import get_decompositions
 
-    return get_decompositions([torch.ops.aten._log_softmax, torch.ops.aten._log_softmax_backward_data])
+    aten = torch.ops.aten
+    return get_decompositions([aten._log_softmax, aten._log_softmax_backward_data, aten.native_layer_norm,
+                               aten.native_layer_norm_backward])
 
 
 def inductor_decompositions() -> dict:
@@ -556,7 +561,7 @@ __all__ = [
     "FakeStore", "FakeTensor", "FakeTensorMode", "LocalTensor", "LocalTensorMode", "StorageWeakRef", "StridedShard",
     "TESTED_TORCH", "aot_module_simplified", "default_partition", "detect_fake_mode", "dtensor_as", "dynamo_static_input",
     "funcol", "plain_dtensor",
-    "functorch_config", "generate_stage_to_rank_mapping", "get_schedule_ops", "hold_mesh_groups_weakly", "inductor_decomposed", "inductor_rewrites", "log_softmax_decompositions",
+    "functorch_config", "generate_stage_to_rank_mapping", "get_schedule_ops", "hold_mesh_groups_weakly", "inductor_decomposed", "inductor_rewrites", "statistics_decompositions",
     "inductor_graph_compilers", "local_tensor_mode", "INDUCTOR_MENDED", "mend_inductor_mutation_renames",
     "local_values",
     "make_boxed_func",

@@ -78,8 +78,8 @@ from sptransform.runtime.collectives import _resolve
 from sptransform.runtime.explain import collective_counts
 from sptransform.runtime.rng import RankGenerators
 from sptransform.torch_internals import (
-    INDUCTOR_MENDED, aot_module_simplified, inductor_graph_compilers, local_tensor_mode, log_softmax_decompositions, make_boxed_func,
-    maybe_disable_local_tensor_mode, pytree, stride_reporting,
+    INDUCTOR_MENDED, aot_module_simplified, inductor_graph_compilers, local_tensor_mode, make_boxed_func,
+    maybe_disable_local_tensor_mode, pytree, statistics_decompositions, stride_reporting,
 )
 
 log = logger(__name__)
@@ -560,17 +560,18 @@ def aot_compile(module: torch.nn.Module, tensor_inputs: Sequence[torch.Tensor], 
     forward and backward compiled by ``compile`` (``graph_compilers``). AOTAutograd lifts
     ``module``'s own parameters and buffers in front of ``tensor_inputs`` (``state_count``);
     ``overlap`` runs the overlap pass on both partitioned graphs. The joint graph keeps the
-    model's own ops for the partition to read (``native_layer_norm``, ``_softmax``, SDPA) but for
-    one decomposition when inductor compiles: ``_log_softmax``'s (``log_softmax_decompositions``:
-    a loss's per-row statistics can then be saved, not its whole output; with ``compile="eager"``
-    the graphs run ATen's kernel, bit for bit eager's numbers); inductor decomposes each
+    model's own ops for the partition to read (``_softmax``, SDPA) but for two decompositions
+    when inductor compiles: ``_log_softmax``'s and ``native_layer_norm``'s
+    (``statistics_decompositions``: their per-row statistics can then be saved and only the
+    pointwise rest recomputed; with ``compile="eager"`` the graphs run ATen's kernels, bit for
+    bit eager's numbers); inductor decomposes each
     partitioned graph itself, and may lay a saved tensor out otherwise than the joint trace did:
     the backward is compiled for the strides the compiled forward reports (``stride_reporting``),
     as under ``torch.compile``. ``decompositions``: trace the joint graph with these instead (for
     measuring torch's own partitioner on the graph torch.compile gives it)."""
     fw_compiler, bw_compiler = graph_compilers(compile, _num_outputs(module), module, overlap=overlap)
     if decompositions is None and compile == "inductor":
-        decompositions = log_softmax_decompositions()
+        decompositions = statistics_decompositions()
     with stride_reporting(tensor_inputs):
         return aot_module_simplified(module, list(tensor_inputs), fw_compiler=fw_compiler, bw_compiler=bw_compiler,
                                      partition_fn=partition_fn, decompositions=decompositions)

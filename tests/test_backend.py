@@ -183,6 +183,39 @@ def test_loss_backward_reaches_inductor_without_a_scatter_into_zeros(monkeypatch
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-2, atol=1e-3, msg=name)  # bf16
 
 
+def test_layer_norm_backward_recomputes_no_statistics(monkeypatch):
+    """A layer norm's output, which the next matmul's backward reads, is recomputed in the
+    backward from the statistics the forward saved, never with its reduction again: when
+    inductor compiles, the joint graph holds ``native_layer_norm`` as its primitives
+    (``statistics_decompositions``), so the saved ``var_mean`` is not recomputed (it was, inside
+    the composite op, for every norm of HF GPT-2)."""
+    import torch._inductor.compile_fx as compile_fx
+
+    handed = {"forward": [], "backward": []}
+    for which in handed:
+        original = getattr(compile_fx, f"compile_fx_{which}")
+
+        def spy(gm, *args, _original=original, _which=which, **kwargs):
+            handed[_which].append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+            return _original(gm, *args, **kwargs)
+
+        monkeypatch.setattr(compile_fx, f"compile_fx_{which}", spy)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 8))
+    x = torch.randn(4, 6, 16)
+    compiled_model = copy.deepcopy(model)
+    model(x).square().mean().backward()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: compiled_model(x).square().mean(), backend=_backend(),
+                             options={"policy": "selective"}, fullgraph=True)
+    compiled(x).backward()
+    torch._dynamo.reset()
+    assert len(handed["backward"]) == 1 and any("var_mean" in t for t in handed["forward"][0]), handed
+    assert not any("var_mean" in t or "native_layer_norm.default" in t for t in handed["backward"][0]), handed
+    for (name, a), (_, b) in zip(model.named_parameters(), compiled_model.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def _collective_readers_before_wait(code: str) -> list[str]:
     """Kernel calls of inductor's generated ``call`` that pass a collective's buffer between the
     collective (``all_reduce_(bufN, ...)``) and its ``wait_tensor(bufN)``."""

@@ -31,7 +31,7 @@ from sptransform.passes.remat import (
 from sptransform.graph.nodes import number_joint_nodes
 from sptransform.measure.flops import FlopsReport, flops_report
 from sptransform.torch_internals import (
-    default_partition, functorch_config, inductor_decompositions, inductor_partition, log_softmax_decompositions,
+    default_partition, functorch_config, inductor_decompositions, inductor_partition, statistics_decompositions,
     min_cut_rematerialization_partition,
 )
 from sptransform.transform import aot_compile, state_count
@@ -139,7 +139,7 @@ def partition_module(
         return fw, bw
 
     # the joint graph inductor compiles: torch.compile's, or ours as compile="inductor" traces it
-    decompositions = inductor_decompositions() if torch_partitioner == "torch-inductor" else log_softmax_decompositions()
+    decompositions = inductor_decompositions() if torch_partitioner == "torch-inductor" else statistics_decompositions()
     compiled = aot_compile(wrapped, example_inputs, partition_fn=partition, decompositions=decompositions)
     if "backward" not in captured:
         raise ValueError("nothing requires grad: the module has no backward to partition")
