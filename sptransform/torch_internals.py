@@ -43,6 +43,59 @@ def _check_version() -> None:
 
 _check_version()
 
+
+class _Missing:
+    """A private torch API this torch lacks (only with ``SPTRANSFORM_ALLOW_UNTESTED_TORCH=1``):
+    using it raises, naming it, so what does not need it still runs on that torch."""
+
+    def __init__(self, name: str, error: Exception):
+        self._name, self._error = name, error
+
+    def _fail(self):
+        raise ImportError(f"{self._name} is not in torch {torch.__version__} ({self._error}); sptransform needs it "
+                          f"here: install torch=={'.'.join(map(str, TESTED_TORCH))}.*")
+
+    def __call__(self, *args, **kwargs):
+        self._fail()
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        self._fail()
+
+
+def _import_each() -> list[str]:
+    """The module's first ``try`` block again, one imported name at a time: each name this torch
+    has is bound, each it lacks becomes a ``_Missing``. Returns the missing names."""
+    import ast
+    import importlib
+
+    tree = ast.parse(inspect.getsource(sys.modules[__name__]))
+    block = next(node for node in tree.body if isinstance(node, ast.Try))
+    missing = []
+    for statement in ast.walk(ast.Module(body=block.body, type_ignores=[])):
+        if isinstance(statement, ast.ImportFrom):
+            pairs = [(statement.module, alias.name, alias.asname or alias.name) for alias in statement.names]
+        elif isinstance(statement, ast.Import):
+            pairs = [(alias.name, None, alias.asname) for alias in statement.names]
+        else:
+            continue
+        for module, name, bound in pairs:
+            label = f"{module}.{name}" if name else module
+            try:
+                value = importlib.import_module(module)
+                if name is not None:  # from module import name: an attribute or a submodule
+                    value = getattr(value, name) if hasattr(value, name) else importlib.import_module(label)
+                elif bound is None:  # import a.b binds a
+                    bound, value = module.split(".")[0], importlib.import_module(module.split(".")[0])
+            except (ImportError, AttributeError) as error:
+                value = _Missing(label, error)
+                missing.append(label)
+            bound = bound or name or module.split(".")[0]
+            globals()[bound] = value
+    return missing
+
+
 try:
     # -- tracing and fake tensors -------------------------------------------------------
     # FakeTensorMode: a copy of the user's model with storage-less parameters is traced, so one
@@ -157,62 +210,6 @@ except (ImportError, AttributeError) as error:  # pragma: no cover - only on an 
             f"install torch=={'.'.join(map(str, TESTED_TORCH))}.*, or set SPTRANSFORM_ALLOW_UNTESTED_TORCH=1 to "
             "import anyway (what needs the missing API then fails when used)"
         ) from error
-    _MISSING = None  # set below, once the helpers exist
-
-
-class _Missing:
-    """A private torch API this torch lacks (only with ``SPTRANSFORM_ALLOW_UNTESTED_TORCH=1``):
-    using it raises, naming it, so what does not need it still runs on that torch."""
-
-    def __init__(self, name: str, error: Exception):
-        self._name, self._error = name, error
-
-    def _fail(self):
-        raise ImportError(f"{self._name} is not in torch {torch.__version__} ({self._error}); sptransform needs it "
-                          f"here: install torch=={'.'.join(map(str, TESTED_TORCH))}.*")
-
-    def __call__(self, *args, **kwargs):
-        self._fail()
-
-    def __getattr__(self, name):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        self._fail()
-
-
-def _import_each() -> list[str]:
-    """The module's first ``try`` block again, one imported name at a time: each name this torch
-    has is bound, each it lacks becomes a ``_Missing``. Returns the missing names."""
-    import ast
-    import importlib
-
-    tree = ast.parse(inspect.getsource(sys.modules[__name__]))
-    block = next(node for node in tree.body if isinstance(node, ast.Try))
-    missing = []
-    for statement in ast.walk(ast.Module(body=block.body, type_ignores=[])):
-        if isinstance(statement, ast.ImportFrom):
-            pairs = [(statement.module, alias.name, alias.asname or alias.name) for alias in statement.names]
-        elif isinstance(statement, ast.Import):
-            pairs = [(alias.name, None, alias.asname) for alias in statement.names]
-        else:
-            continue
-        for module, name, bound in pairs:
-            label = f"{module}.{name}" if name else module
-            try:
-                value = importlib.import_module(module)
-                if name is not None:  # from module import name: an attribute or a submodule
-                    value = getattr(value, name) if hasattr(value, name) else importlib.import_module(label)
-                elif bound is None:  # import a.b binds a
-                    bound, value = module.split(".")[0], importlib.import_module(module.split(".")[0])
-            except (ImportError, AttributeError) as error:
-                value = _Missing(label, error)
-                missing.append(label)
-            bound = bound or name or module.split(".")[0]
-            globals()[bound] = value
-    return missing
-
-
-if "_MISSING" in globals():  # pragma: no cover - only on an untested torch
     _MISSING = _import_each()
     warnings.warn(f"torch {torch.__version__} lacks {len(_MISSING)} private API(s) sptransform uses: "
                   f"{', '.join(_MISSING)}; what needs them raises ImportError when used", RuntimeWarning, stacklevel=2)
