@@ -13,6 +13,7 @@ No other module of sptransform imports a private torch name (``torch._*`` module
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import os
@@ -597,14 +598,13 @@ def mend_inductor_mutation_renames() -> bool:
     if getattr(original, "_sptransform_mended", False):
         return True
 
+    @functools.wraps(original)
     def recompute_size_and_body(self, *args, **kwargs):
         original(self, *args, **kwargs)
         if self.mutation_renames:
             self.set_read_writes(self.read_writes.rename(self.mutation_renames))
 
     recompute_size_and_body._sptransform_mended = True
-    recompute_size_and_body.__wrapped__ = original
-    recompute_size_and_body.__doc__ = original.__doc__
     SchedulerNode.recompute_size_and_body = recompute_size_and_body
     return True
 

@@ -501,6 +501,10 @@ def _spawn(*, world: int, folder: str, timeout_s: float) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the verification did not finish within timeout_s={timeout_s:g} s: its "
                                    f"{world} processes were killed; pass a larger timeout_s")
+    except mp.ProcessExitedException as died:  # a rank saves its own errors: this one was killed
+        raise RuntimeError(f"a verification rank died before saving its result ({died}): a crash of the "
+                           "process (torch, gloo, or memory), not a verdict on the model; its message is in its "
+                           "stderr above. Run verify again") from None
     finally:
         for process in context.processes:
             if process.is_alive():

@@ -46,3 +46,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("slow") is not None and item.get_closest_marker("in_process") is None:
             item.add_marker(pytest.mark.xdist_group("processes"))
+
+
+@pytest.fixture(autouse=True)
+def _in_process_tests_start_no_process(request, monkeypatch):
+    """A test marked ``in_process`` runs beside the process tests under xdist; one that spawned
+    ranks would run two worlds at once on the 2 cores, so it fails here."""
+    if request.node.get_closest_marker("in_process") is None:
+        yield
+        return
+    import torch.multiprocessing
+
+    def refuse(*args, **kwargs):
+        raise pytest.fail.Exception(f"{request.node.nodeid} is marked in_process but spawned ranks: "
+                                    "remove the marker (it then runs with the process tests)")
+
+    # what starts ranks (mp.spawn calls the module's own); inductor's compiler subprocesses stay allowed
+    monkeypatch.setattr(torch.multiprocessing, "start_processes", refuse)
+    monkeypatch.setattr(sys.modules["torch.multiprocessing.spawn"], "start_processes", refuse)
+    yield

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
-from simulate import free_port
+from simulate import spawn_with_deadline
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
@@ -209,7 +209,7 @@ def _worker(rank: int, world: int, port: int, cases: list, results: dict) -> Non
 
 def _run(world: int, cases: list[dict]) -> dict:
     results = mp.Manager().dict()
-    mp.spawn(_worker, args=(world, free_port(), cases, results), nprocs=world, join=True)
+    spawn_with_deadline(_worker, world, 900.0, cases, results)
     return dict(results)
 
 

@@ -12,17 +12,15 @@ from __future__ import annotations
 import datetime
 import importlib.util
 import os
-import time
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
-from simulate import free_port
+from simulate import spawn_with_deadline
 
 pytestmark = pytest.mark.slow
 
@@ -100,10 +98,4 @@ def test_models_with_layers_the_analysis_misses_train_like_the_original_on_two_s
     else:
         warnings.warn("x-transformers is not installed: its case did not run", stacklevel=1)
     cases = [(name, dtype) for name in names for dtype in ("float64", "float32")]
-    context = mp.spawn(_worker, args=(2, free_port(), cases), nprocs=2, join=False)
-    deadline = time.monotonic() + DEADLINE_S
-    while not context.join(timeout=2):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the 2-rank pipeline runs did not finish within {DEADLINE_S} s", pytrace=False)
+    spawn_with_deadline(_worker, 2, DEADLINE_S, cases)

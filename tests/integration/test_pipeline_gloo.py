@@ -15,9 +15,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from simulate import free_port
+from simulate import spawn_with_deadline
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
@@ -170,4 +169,4 @@ def test_pipeline_training_matches_single_device(world, cases):
     """pp in {2, 4}, pp x tp = 2 x 2, GPipe / 1F1B / interleaved (v=2) / ZB-V: 3 AdamW steps; with
     recompute= (full, selective, a 0.5 budget; microbatch-level with a window of 1) also against
     the same pipeline without recompute."""
-    mp.spawn(_worker, args=(world, free_port(), cases), nprocs=world, join=True)
+    spawn_with_deadline(_worker, world, 900.0, cases)
