@@ -20,6 +20,7 @@ import os
 import sys
 import warnings
 import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -561,6 +562,7 @@ __all__ = [
     "funcol", "plain_dtensor",
     "functorch_config", "generate_stage_to_rank_mapping", "get_schedule_ops", "hold_mesh_groups_weakly", "inductor_decomposed", "inductor_rewrites", "statistics_decompositions",
     "inductor_graph_compilers", "local_tensor_mode", "INDUCTOR_MENDED", "mend_inductor_mutation_renames",
+    "INDUCTOR_GUARDED", "guard_inductor_collective_reads", "Kernel", "reads_in_flight",
     "local_values",
     "make_boxed_func",
     "maybe_disable_local_tensor_mode", "min_cut_rematerialization_partition", "partitioners", "pytree",
@@ -611,6 +613,111 @@ def mend_inductor_mutation_renames() -> bool:
 
 INDUCTOR_MENDED = mend_inductor_mutation_renames()
 """Whether ``mend_inductor_mutation_renames`` is installed (it is wherever torch has inductor)."""
+
+
+class Kernel(NamedTuple):
+    """One kernel in the order inductor will run them, buffer names resolved to the buffers they
+    alias: what it defines (writes), reads, whether it launches a collective, and for a
+    ``wait_tensor`` the buffers it waits on."""
+
+    name: str
+    defines: frozenset[str]
+    reads: frozenset[str]
+    collective: bool = False
+    waits_on: frozenset[str] = frozenset()
+
+
+def reads_in_flight(order: list[Kernel]) -> list[str]:
+    """The accesses of a collective's result between the collective and its wait, in a kernel order.
+
+    Each wait's buffer is in flight from the last collective before it that defines the buffer
+    (out of place, or in place on it) to the wait; every kernel in between that reads or writes
+    it is listed. A collective's *inputs* may be read while it runs (inductor's own rule for
+    out-of-place collectives): not listed."""
+    found = []
+    for w, wait in enumerate(order):
+        for buffer in sorted(wait.waits_on):
+            start = next((i for i in range(w - 1, -1, -1) if order[i].collective and buffer in order[i].defines), None)
+            if start is None:  # nothing launched into it here (a graph input)
+                continue
+            for kernel in order[start + 1: w]:
+                if buffer in kernel.reads or buffer in kernel.defines:
+                    found.append(f"{kernel.name} reads {buffer} after {order[start].name} and before its wait {wait.name}")
+    return found
+
+
+def guard_inductor_collective_reads() -> bool:
+    """Make inductor refuse to generate code that reads a collective's result before its wait.
+
+    The check behind ``mend_inductor_mutation_renames``: that mend repairs the one defect known
+    (torch 2.13's CPU fusion losing the dependency of a reader on a wait), and this check, on
+    the kernel order inductor is about to generate (``Scheduler.codegen``: after fusion and every
+    reordering), fails the compile if any kernel reads or writes a collective's output between
+    the collective and its ``wait_tensor`` (``reads_in_flight``), so that a variant of that
+    defect on another torch, or another fusion path, raises instead of computing with values
+    still in flight. Inductor's own rule (its note on out-of-place collective safety) is the
+    one checked. Applies to every inductor compile in the process; costs a pass over the
+    kernels of graphs that have waits. Installed once, at import; returns whether it is.
+    Public replacement: none."""
+    try:
+        from torch._inductor import ir
+        from torch._inductor.dependencies import WeakDep
+        from torch._inductor.scheduler import Scheduler
+    except ImportError:  # pragma: no cover - a torch without inductor
+        return False
+    original = getattr(Scheduler, "codegen", None)
+    wait_kernel, collective_kernel = getattr(ir, "_WaitKernel", None), getattr(ir, "_CollectiveKernel", None)
+    if original is None or wait_kernel is None or collective_kernel is None:  # pragma: no cover - an untested torch
+        return False
+    if getattr(original, "_sptransform_guarded", False):
+        return True
+
+    def order_of(scheduler) -> list[Kernel]:
+        real = scheduler.mutation_real_name
+
+        def resolve(name: str) -> str:
+            seen = set()
+            while name in real and real[name] != name and name not in seen:
+                seen.add(name)
+                name = real[name]
+            return name
+
+        order = []
+        for outer in scheduler.nodes:
+            for node in outer.get_nodes():
+                ir_node = getattr(node, "node", None)
+                defines = {resolve(buf.get_name()) for buf in node.get_outputs()}
+                defines.update(resolve(m) for buf in node.get_outputs() for m in buf.get_mutations())
+                reads = {resolve(dep.name) for dep in node.read_writes.reads if not isinstance(dep, WeakDep)}
+                waits_on = set()
+                if isinstance(ir_node, wait_kernel):  # a wait mutates what it waits on
+                    waits_on = {resolve(m) for buf in node.get_outputs() for m in buf.get_mutations()}
+                    defines -= waits_on
+                origins = sorted(o.name for o in getattr(ir_node, "origins", ()) or ())
+                label = node.get_name() + (f" (from {', '.join(origins[:3])})" if origins else "")
+                collective = isinstance(ir_node, collective_kernel) and not isinstance(ir_node, wait_kernel)
+                order.append(Kernel(label, frozenset(defines), frozenset(reads), collective, frozenset(waits_on)))
+        return order
+
+    @functools.wraps(original)
+    def codegen(self, *args, **kwargs):
+        if any(isinstance(getattr(n, "node", None), wait_kernel) for outer in self.nodes for n in outer.get_nodes()):
+            found = reads_in_flight(order_of(self))
+            if found:
+                raise RuntimeError(
+                    "inductor scheduled kernels that read a collective's result before its wait_tensor, which "
+                    "would compute with values still in flight (a defect of this torch's inductor, caught before "
+                    "any code ran): " + "; ".join(found) + ". With sptransform, compile='eager' avoids inductor; "
+                    "please report it with your torch version")
+        return original(self, *args, **kwargs)
+
+    codegen._sptransform_guarded = True
+    Scheduler.codegen = codegen
+    return True
+
+
+INDUCTOR_GUARDED = guard_inductor_collective_reads()
+"""Whether ``guard_inductor_collective_reads`` is installed (it is wherever torch has inductor)."""
 
 
 def default_store():

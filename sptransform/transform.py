@@ -525,10 +525,11 @@ def rank_cache_tag() -> str:
     return f"{tag}|sptransform rank {dist.get_rank()}/{dist.get_world_size()}".lstrip("|")
 
 
-MENDED_TAG = "sptransform mends: inductor mutation renames"
+MENDED_TAG = "sptransform mends: inductor mutation renames; collective reads checked"
 """In the key of every graph sptransform compiles with inductor: code inductor generated without
 ``torch_internals.mend_inductor_mutation_renames`` (which may read a collective's result before
-its wait) is never loaded from a cache written before the mend."""
+its wait) and unchecked by ``guard_inductor_collective_reads`` (which refuses such code; a cache
+hit skips the scheduler it checks) is never loaded from a cache written before them."""
 
 
 def compile_cache_tag() -> str:

@@ -232,24 +232,27 @@ def _collective_readers_before_wait(code: str) -> list[str]:
     return early
 
 
-@pytest.mark.parametrize("mended", [True, False])
-def test_no_kernel_reads_a_collective_result_before_its_wait(mended, monkeypatch):
+@pytest.mark.parametrize("installed", ["mend and guard", "guard", "neither"])
+def test_no_kernel_reads_a_collective_result_before_its_wait(installed, monkeypatch):
     """torch 2.13's CPU inductor, fusing two loops of different shapes, re-derives a node's reads
     without the buffer renames that tie a collective's readers to its wait; a sigmoid computed
     before the wait (the overlap pass moves waits late) fused with the reader of the all-reduced
     value then ran between the all-reduce and its wait (HF DeepSeek-V4, tp=2 with SP on real gloo
     ranks: gradients off by up to 100%). With ``torch_internals.mend_inductor_mutation_renames``
-    (installed at import) every reader follows the wait; without it (``mended=False``) the
-    defect is there, so that this test sees what it guards."""
+    (installed at import) every reader follows the wait. Without the mend, the guard installed
+    beside it (``guard_inductor_collective_reads``) refuses the kernel order before any code runs;
+    without either, the defect is in the generated code, so that this test sees what both guard."""
     import torch._inductor.config as inductor_config
     import torch._inductor.scheduler as scheduler
     from torch._inductor.utils import run_and_get_code
 
     from simulate import one_rank
 
-    if not mended:
+    if installed != "mend and guard":
         monkeypatch.setattr(scheduler.SchedulerNode, "recompute_size_and_body",
                             scheduler.SchedulerNode.recompute_size_and_body.__wrapped__)
+    if installed == "neither":
+        monkeypatch.setattr(scheduler.Scheduler, "codegen", scheduler.Scheduler.codegen.__wrapped__)
     functional = torch.ops._c10d_functional
     with one_rank() as group:
         def f(x, y, a, b, c):
@@ -262,11 +265,17 @@ def test_no_kernel_reads_a_collective_result_before_its_wait(mended, monkeypatch
         torch._dynamo.reset()
         compiled = torch.compile(f, backend=_backend(), options={"policy": "none"}, fullgraph=True)
         with inductor_config.patch(force_disable_caches=True):
+            if installed == "guard":
+                with pytest.raises(Exception, match="read a collective's result before its wait_tensor") as refused:
+                    run_and_get_code(compiled, *inputs)
+                torch._dynamo.reset()
+                assert "reads buf" in str(refused.value) and "(from all_reduce" in str(refused.value), refused.value
+                return
             out, codes = run_and_get_code(compiled, *inputs)
         torch._dynamo.reset()
         want = f(*inputs)
     early = [line for code in codes for line in _collective_readers_before_wait(code)]
-    if mended:
+    if installed == "mend and guard":
         assert not early, early
         torch.testing.assert_close(out, want)
     else:

@@ -185,3 +185,25 @@ def test_untested_torch_lacking_a_private_api_imports_and_fails_only_where_it_is
     assert "WARNED True" in out.stdout, out.stderr[-2000:]
     assert "BOUND True torch.distributed._functional_collectives torch._functorch.partitioners" in out.stdout
     assert "RAISED torch.distributed._local_tensor.tensor_map is not in torch" in out.stdout
+
+
+def test_reads_in_flight_lists_accesses_of_a_collective_result_before_its_wait():
+    """The matcher behind ``guard_inductor_collective_reads``, on kernel orders written by hand,
+    buffer names already resolved to what they alias."""
+    from sptransform.torch_internals import Kernel, reads_in_flight
+
+    def k(name, defines=(), reads=(), collective=False, waits_on=()):
+        return Kernel(name, frozenset(defines), frozenset(reads), collective, frozenset(waits_on))
+
+    copy, in_place = k("copy", {"b0"}, {"x"}), k("all_reduce_", {"b0"}, {"b0"}, collective=True)
+    wait = k("wait", (), {"b0"}, waits_on={"b0"})
+    reader, other = k("reader", {"y"}, {"b0", "z"}), k("other", {"w"}, {"x", "z"})
+    assert reads_in_flight([copy, in_place, other, wait, reader]) == []  # read after the wait
+    assert reads_in_flight([copy, in_place, reader, wait]) == ["reader reads b0 after all_reduce_ and before its wait wait"]
+    assert reads_in_flight([copy, in_place, k("writer", {"b0"}, {"z"}), wait]) == [
+        "writer reads b0 after all_reduce_ and before its wait wait"]  # a write into it too
+    # out of place: its input may be read while it runs, its output not
+    gather, wait_out = k("all_gather", {"out"}, {"inp"}, collective=True), k("wait", (), {"out"}, waits_on={"out"})
+    assert reads_in_flight([gather, k("reads input", {"v"}, {"inp"}), wait_out]) == []
+    assert len(reads_in_flight([gather, k("reads output", {"v"}, {"out"}), wait_out])) == 1
+    assert reads_in_flight([k("reads output", {"v"}, {"out"}), wait_out]) == []  # nothing launched here
