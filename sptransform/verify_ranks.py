@@ -416,7 +416,8 @@ def _unpack(sent: tuple) -> tuple[ParallelCase, nn.Module]:
 def run_processes(cases: list[ParallelCase], *, timeout_s: float) -> list[ParallelRun]:
     """Every case on ``world`` real gloo processes spawned once (all cases share the world size).
     Raises ``NotPortable`` when the cases cannot be pickled to them, ``TimeoutError`` (after killing
-    them) when they do not finish within ``timeout_s``, also their process group's timeout."""
+    them) when they do not finish within ``timeout_s``, also their process group's timeout, and
+    ``RuntimeError`` when a rank dies before saving its result (a signal: a crash, not a verdict)."""
     worlds = {case.world for case in cases}
     assert len(worlds) == 1, f"one spawn runs one world size, got {sorted(worlds)}"
     world = worlds.pop()

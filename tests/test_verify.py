@@ -91,6 +91,28 @@ MODULE = textwrap.dedent('''
     def gemma():
         torch.manual_seed(0)
         return LM(GemmaNorm), _inputs()
+
+
+    class AbortsOnRank1(nn.Module):
+        """A process that dies by a signal (as a crash in torch or gloo would) on rank 1."""
+
+        def __init__(self):
+            super().__init__()
+            self.lm = LM(RMSNorm)
+
+        def forward(self, ids, targets):
+            import os
+
+            import torch.distributed as dist
+
+            if dist.is_initialized() and dist.get_rank() == 1:
+                os.abort()
+            return self.lm(ids, targets)
+
+
+    def aborting():
+        torch.manual_seed(0)
+        return AbortsOnRank1(), _inputs()
 ''')
 
 
@@ -374,6 +396,15 @@ def test_pipeline_processes_are_killed_at_the_timeout(models):
     with pytest.raises(TimeoutError, match="timeout_s"):
         sptransform.verify(model, tp=1, pp=2, example_inputs=inputs, timeout_s=0.5)
     assert not multiprocessing.active_children()
+    _no_state_left()
+
+
+@pytest.mark.slow
+def test_a_rank_killed_by_a_signal_is_a_clear_error_not_torchs_exception(models):
+    module, _ = models
+    model, inputs = module.aborting()
+    with pytest.raises(RuntimeError, match=r"a verification rank died before saving its result .*SIGABRT.*not a verdict"):
+        sptransform.verify(model, tp=2, example_inputs=inputs, processes=True, timeout_s=300)
     _no_state_left()
 
 
