@@ -167,9 +167,11 @@ class _FreeingStage(_Stage):
             return ops
         outputs, _ = stage_forward_cache(self)[fwd_chunk_id]
         assert len(ops) == len(outputs), "one send per output"
-        keep = self.submod.saved_outputs or set()
-        for index, (op, out) in enumerate(zip(ops, outputs)):
-            if index not in keep and out.untyped_storage().nbytes():
+        keep = self.submod.saved_outputs or set()  # by storage: a view of a saved tensor is kept too
+        sent = [out for index, out in enumerate(outputs) if index not in keep and out.untyped_storage().nbytes()]
+        for op, out in zip(ops, outputs):
+            if any(out is s for s in sent):
                 op.tensor = op.tensor.clone()
-                out.untyped_storage().resize_(0)
+        for out in sent:  # only after every copy: two outputs may be views of one storage
+            out.untyped_storage().resize_(0)
         return ops

@@ -78,3 +78,28 @@ def test_models_whose_attention_the_analysis_leaves_whole_get_a_stage_per_layer(
         text = pm.explain()
     assert f"2 layers ({found})" in text, text
     assert "(2,048 B)" in text  # one [2, 8, 32] fp32 residual stream crosses the cut
+
+
+def test_a_freeing_stage_copies_every_sent_output_before_freeing_any(monkeypatch):
+    """1F1B stages send copies of their outputs and free the outputs' storage. Two outputs that
+    are views of one storage (an activation and its reshape, both crossing the cut) are both
+    copied before it is freed: freeing after the first copy left the second send reading a
+    freed storage. A view of what the stage's autograd saved is neither copied nor freed."""
+    import types
+
+    from torch.distributed.pipelining import PipelineStage
+
+    import sptransform.pipeline.stage as stage_module
+
+    base, saved = torch.arange(8.0), torch.arange(4.0) + 100
+    outputs = (base.view(2, 4), base.view(4, 2), saved, saved.view(2, 2))
+    monkeypatch.setattr(PipelineStage, "get_fwd_send_ops",
+                        lambda self, chunk: [types.SimpleNamespace(tensor=out) for out in outputs])  # P2POps' one field read
+    monkeypatch.setattr(stage_module, "stage_forward_cache", lambda stage: {0: (outputs, None)})
+    stage = object.__new__(stage_module._FreeingStage)
+    stage.stage_index, stage.num_stages = 0, 2
+    stage.submod = type("Submod", (), {"saved_outputs": {2, 3}})()
+    ops = stage.get_fwd_send_ops(0)
+    assert [op.tensor.tolist() for op in ops[:2]] == [[[0.0, 1, 2, 3], [4, 5, 6, 7]], [[0.0, 1], [2, 3], [4, 5], [6, 7]]]
+    assert base.untyped_storage().nbytes() == 0  # the stage's own outputs freed
+    assert ops[2].tensor is saved and saved.untyped_storage().nbytes() == 16  # kept for backward
