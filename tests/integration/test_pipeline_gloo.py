@@ -64,6 +64,7 @@ def _train_and_compare(kind: str, tp: int, pp: int, schedule: str, stages_per_ra
                                  stages_per_rank=stages_per_rank, example_inputs=batches[0], recompute=recompute,
                                  stored_microbatches=stored_microbatches, compile="eager")  # inductor: test_compile_gloo
     assert tied in pm.explain(), pm.explain()
+    _same_stage_graphs_on_every_rank(pm)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-4)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-4)
     ref_params = dict(ref.named_parameters())
@@ -87,6 +88,19 @@ def _train_and_compare(kind: str, tp: int, pp: int, schedule: str, stages_per_ra
     if schedule == "1f1b":  # non-last stages send their residual stream and free it
         last = pm.pipeline_plan.options.num_stages - 1
         assert all(m.saved_outputs == set() for m in pm.stage_modules if m.index != last)
+
+
+def _same_stage_graphs_on_every_rank(pm) -> None:
+    """The ranks that hold one stage (its tensor-parallel peers) built the same graph for it: a
+    pass whose output depended on the process (hash or address order) would pair different
+    collectives across them, which gloo may abort on, or, for equal sizes, compute wrong."""
+    import hashlib
+
+    mine = {m.index: hashlib.sha1(m.graph.code.encode()).hexdigest() for m in pm.stage_modules}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    for index in mine:
+        assert len({held[index] for held in every if index in held}) == 1, f"stage {index}: graphs differ across ranks"
 
 
 def _loss_crosses_stages_in_the_models_dtype(dtype: str) -> None:
