@@ -562,7 +562,7 @@ __all__ = [
     "funcol", "plain_dtensor",
     "functorch_config", "generate_stage_to_rank_mapping", "get_schedule_ops", "hold_mesh_groups_weakly", "inductor_decomposed", "inductor_rewrites", "statistics_decompositions",
     "inductor_graph_compilers", "local_tensor_mode", "INDUCTOR_MENDED", "mend_inductor_mutation_renames",
-    "INDUCTOR_GUARDED", "guard_inductor_collective_reads", "Kernel", "reads_in_flight",
+    "INDUCTOR_GUARDED", "guard_inductor_collective_reads", "Kernel", "kernel_order", "reads_in_flight",
     "local_values",
     "make_boxed_func",
     "maybe_disable_local_tensor_mode", "min_cut_rematerialization_partition", "partitioners", "pytree",
@@ -646,6 +646,40 @@ def reads_in_flight(order: list[Kernel]) -> list[str]:
     return found
 
 
+def kernel_order(scheduler) -> list[Kernel]:
+    """The kernels of an inductor ``Scheduler`` in the order their code will run (fused nodes
+    flattened in place), as ``Kernel`` records with buffer names resolved through the
+    scheduler's mutation renames; fake (ordering-only) dependencies are not reads."""
+    from torch._inductor import ir
+    from torch._inductor.dependencies import WeakDep
+
+    real = scheduler.mutation_real_name
+
+    def resolve(name: str) -> str:
+        seen = set()
+        while name in real and real[name] != name and name not in seen:
+            seen.add(name)
+            name = real[name]
+        return name
+
+    order = []
+    for outer in scheduler.nodes:
+        for node in outer.get_nodes():
+            ir_node = getattr(node, "node", None)
+            defines = {resolve(buf.get_name()) for buf in node.get_outputs()}
+            defines.update(resolve(m) for buf in node.get_outputs() for m in buf.get_mutations())
+            reads = {resolve(dep.name) for dep in node.read_writes.reads if not isinstance(dep, WeakDep)}
+            waits_on = set()
+            if isinstance(ir_node, ir._WaitKernel):  # a wait mutates what it waits on
+                waits_on = {resolve(m) for buf in node.get_outputs() for m in buf.get_mutations()}
+                defines -= waits_on
+            origins = sorted(o.name for o in getattr(ir_node, "origins", ()) or ())
+            label = node.get_name() + (f" (from {', '.join(origins[:3])})" if origins else "")
+            collective = isinstance(ir_node, ir._CollectiveKernel) and not isinstance(ir_node, ir._WaitKernel)
+            order.append(Kernel(label, frozenset(defines), frozenset(reads), collective, frozenset(waits_on)))
+    return order
+
+
 def guard_inductor_collective_reads() -> bool:
     """Make inductor refuse to generate code that reads a collective's result before its wait.
 
@@ -661,7 +695,6 @@ def guard_inductor_collective_reads() -> bool:
     Public replacement: none."""
     try:
         from torch._inductor import ir
-        from torch._inductor.dependencies import WeakDep
         from torch._inductor.scheduler import Scheduler
     except ImportError:  # pragma: no cover - a torch without inductor
         return False
@@ -672,37 +705,10 @@ def guard_inductor_collective_reads() -> bool:
     if getattr(original, "_sptransform_guarded", False):
         return True
 
-    def order_of(scheduler) -> list[Kernel]:
-        real = scheduler.mutation_real_name
-
-        def resolve(name: str) -> str:
-            seen = set()
-            while name in real and real[name] != name and name not in seen:
-                seen.add(name)
-                name = real[name]
-            return name
-
-        order = []
-        for outer in scheduler.nodes:
-            for node in outer.get_nodes():
-                ir_node = getattr(node, "node", None)
-                defines = {resolve(buf.get_name()) for buf in node.get_outputs()}
-                defines.update(resolve(m) for buf in node.get_outputs() for m in buf.get_mutations())
-                reads = {resolve(dep.name) for dep in node.read_writes.reads if not isinstance(dep, WeakDep)}
-                waits_on = set()
-                if isinstance(ir_node, wait_kernel):  # a wait mutates what it waits on
-                    waits_on = {resolve(m) for buf in node.get_outputs() for m in buf.get_mutations()}
-                    defines -= waits_on
-                origins = sorted(o.name for o in getattr(ir_node, "origins", ()) or ())
-                label = node.get_name() + (f" (from {', '.join(origins[:3])})" if origins else "")
-                collective = isinstance(ir_node, collective_kernel) and not isinstance(ir_node, wait_kernel)
-                order.append(Kernel(label, frozenset(defines), frozenset(reads), collective, frozenset(waits_on)))
-        return order
-
     @functools.wraps(original)
     def codegen(self, *args, **kwargs):
         if any(isinstance(getattr(n, "node", None), wait_kernel) for outer in self.nodes for n in outer.get_nodes()):
-            found = reads_in_flight(order_of(self))
+            found = reads_in_flight(kernel_order(self))
             if found:
                 raise RuntimeError(
                     "inductor scheduled kernels that read a collective's result before its wait_tensor, which "
