@@ -89,7 +89,7 @@ def _run_world(fn, world: int, deadline_s: float, logs: str, args: tuple) -> tup
     context = mp.start_processes(_rank_entry, args=(fn, world, free_port(), logs, args), nprocs=world,
                                  join=False, start_method="spawn")
     processes = context.processes
-    end, grace_end, timed_out = time.monotonic() + deadline_s, None, False
+    end, grace_end, timed_out, killed = time.monotonic() + deadline_s, None, False, set()
     try:
         while any(p.exitcode is None for p in processes):
             now = time.monotonic()
@@ -101,14 +101,15 @@ def _run_world(fn, world: int, deadline_s: float, logs: str, args: tuple) -> tup
                 break
             time.sleep(0.2)
     finally:
-        for p in processes:
+        for rank, p in enumerate(processes):
             if p.is_alive():
+                killed.add(rank)
                 p.kill()
             p.join(10)
     codes = [p.exitcode for p in processes]
     if all(code == 0 for code in codes):
         return None
-    raised, lines, first = set(), [], []
+    own, lines, first = set(), [], []  # own: the ranks that raised an error of their own
     for rank, (code, error_file) in enumerate(zip(codes, context.error_files)):
         tail = ""
         path = os.path.join(logs, f"rank{rank}.err")
@@ -117,19 +118,21 @@ def _run_world(fn, world: int, deadline_s: float, logs: str, args: tuple) -> tup
                 tail = "".join(f.readlines()[-40:])
         if os.path.exists(error_file) and os.path.getsize(error_file):
             with open(error_file, "rb") as f:
-                what = "raised:\n" + pickle.load(f)
-            raised.add(rank)
+                trace = pickle.load(f)
+            what = "raised:\n" + trace
+            if not any(lost in trace for lost in _PEER_LOST):  # not only the death of a peer
+                own.add(rank)
+        elif rank in killed:
+            what = f"killed by the test harness, still running; the end of its stderr:\n{tail}"
         elif code is not None and code < 0:
             what = f"died by signal {signal.Signals(-code).name}; the end of its stderr:\n{tail}"
-        elif code == 0:
-            what = "finished"
         else:
-            what = f"killed by the test harness (still running; exit code {code}); the end of its stderr:\n{tail}"
-        (first if rank in raised else lines).append(f"--- rank {rank}: {what}")
+            what = "finished" if code == 0 else f"exit code {code}; the end of its stderr:\n{tail}"
+        (first if rank in own else lines).append(f"--- rank {rank}: {what}")
     lines = first + lines  # the ranks whose own error it was, then their peers
     head = f"the ranks did not finish within {deadline_s:g} s\n" if timed_out else ""
-    signalled = any(code is not None and code < 0 and code != -signal.SIGKILL for code in codes)
-    return head + "\n".join(lines), signalled and not raised and not timed_out
+    signalled = any(code is not None and code < 0 and rank not in killed for rank, code in enumerate(codes))
+    return head + "\n".join(lines), signalled and not own and not timed_out
 
 
 @contextlib.contextmanager

@@ -28,13 +28,14 @@ def _raise_on_rank0(rank: int, world: int, port: int) -> None:
 
 
 def _abort_once(rank: int, world: int, port: int, marker: str) -> None:
-    if rank == 1 and not os.path.exists(marker):
-        open(marker, "w").close()
-        os.abort()  # SIGABRT, as a gloo transport thread's uncaught error does
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         dist.barrier()
+        if rank == 1 and not os.path.exists(marker):
+            open(marker, "w").close()
+            os.abort()  # SIGABRT, as a gloo transport thread's uncaught error does
+        dist.all_reduce(torch.ones(4))  # on the first try rank 0 fails of its lost peer
     finally:
         dist.destroy_process_group()
 
@@ -53,4 +54,5 @@ def test_a_bare_abort_is_reported_with_its_stack_and_run_again(tmp_path):
         spawn_with_deadline(_abort_once, 2, 120.0, str(tmp_path / "aborted"))
     message = str(caught[0].message)
     assert "rank 1: died by signal SIGABRT" in message, message
+    assert "--- rank 0: raised" in message and "Connection closed by peer" in message, message  # not its own error
     assert "Fatal Python error: Aborted" in message, message  # faulthandler's dump, from the rank's stderr
