@@ -39,7 +39,7 @@ def spawn_with_deadline(fn, world: int, deadline_s: float, *args) -> None:
     A world in which no rank raised a Python exception but one died by a signal is run once more,
     with a warning that quotes the first try: the real-rank tests share a loaded 2-core machine
     with other tests, and one such abort of a gloo transport thread (SIGABRT in
-    ``test_pipeline_gloo``, in CI, not reproduced in 12 runs here) failed a whole CI run. A rank
+    ``test_pipeline_gloo``, in CI, not reproduced in 27 runs here) failed a whole CI run. A rank
     that raised, a second abort, or a hang fails the test."""
     import tempfile
     import warnings
