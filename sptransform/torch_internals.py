@@ -653,21 +653,16 @@ def kernel_order(scheduler) -> list[Kernel]:
     from torch._inductor import ir
     from torch._inductor.dependencies import WeakDep
 
-    real = scheduler.mutation_real_name
+    real = scheduler.mutation_real_name  # a mutation's output -> the buffer it mutates, already transitive
 
     def resolve(name: str) -> str:
-        seen = set()
-        while name in real and real[name] != name and name not in seen:
-            seen.add(name)
-            name = real[name]
-        return name
+        return real.get(name, name)
 
     order = []
     for outer in scheduler.nodes:
         for node in outer.get_nodes():
             ir_node = getattr(node, "node", None)
-            defines = {resolve(buf.get_name()) for buf in node.get_outputs()}
-            defines.update(resolve(m) for buf in node.get_outputs() for m in buf.get_mutations())
+            defines = {resolve(buf.get_name()) for buf in node.get_outputs()}  # an in-place write: its buffer
             reads = {resolve(dep.name) for dep in node.read_writes.reads if not isinstance(dep, WeakDep)}
             waits_on = set()
             if isinstance(ir_node, ir._WaitKernel):  # a wait mutates what it waits on
