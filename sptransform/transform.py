@@ -355,11 +355,10 @@ def _split_experts(gm: fx.GraphModule, build: Build) -> PassResult:
                  if count % ep]
     if not regions and not problems:
         problems.append(
-            "no expert weights gathered by routing indices (w[idx], as transformers' experts_implementation="
-            "'batched_mm' reads them) were found: on a transformers MoE model call "
-            "model.set_experts_implementation('batched_mm') first; experts applied another way (grouped_mm, a loop "
-            "over experts, every expert on every token) are not split by ep yet: use ep=1 (tp splits experts read "
-            "by grouped_mm or bmm by their hidden dims)")
+            "no expert weights gathered by routing indices (w[idx], transformers' experts_implementation="
+            "'batched_mm') or read by a grouped matmul with offsets (its default 'grouped_mm') were found; experts "
+            "applied another way (a loop over experts, every expert on every token) are not split by ep yet: use ep=1 "
+            "(tp splits experts read by grouped_mm or bmm by their hidden dims)")
     if problems:
         raise ValueError(f"ep={ep} cannot split the experts of this model: " + "\n  ".join(problems))
     build.expert_parallel = ExpertParallelPlan(group=groups.group, size=ep, rank=groups.rank, experts=experts)

@@ -1,10 +1,17 @@
 """Expert regions: the part of a graph that applies routed experts, found from dataflow, for
 expert parallelism (``passes.expert_parallel``). Matching only; nothing here edits a graph.
 
-A *seed* is an expert parameter (``E`` experts along dim 0) read only by gathers of routing
-indices, ``w[idx]`` (``aten.index.Tensor(w, [idx])``, transformers' ``batched_mm`` experts).
-With the experts split over ``ep`` ranks, a rank gathers its own experts exactly and anything
-(expert 0 of its own, say) for the other token-expert pairs; every tensor computed from it is
+A *seed* reads an expert parameter (``E`` experts along dim 0) that nothing else reads, in one
+of two ways:
+
+* a gather by routing indices, ``w[idx]`` (``aten.index.Tensor(w, [idx])``, transformers'
+  ``batched_mm`` experts): its rows are the pairs of ``idx``;
+* a grouped matmul, ``grouped_mm(x [S, K], w [E, K, N], offs [E])`` (``w`` possibly a transpose
+  of the parameter's last two dims; transformers' default ``grouped_mm`` experts): rows
+  ``[offs[e-1], offs[e])`` of ``x`` go through expert ``e``, so its rows are ``x``'s rows.
+
+With the experts split over ``ep`` ranks, a rank computes its own experts' rows exactly and
+anything for the other rows (expert 0 of its own, say); every tensor computed from a seed is
 then in one of two states:
 
 * **owned**: its leading ``rows`` dims are the pairs of ``idx`` (one row per pair); the rows of
@@ -43,7 +50,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from sptransform.graph.nodes import data_dependent, describe, is_multi_output, is_random, packet, shape_of, tensor_val
+from sptransform.graph.nodes import (data_dependent, describe, is_grouped_mm, is_multi_output, is_random, packet,
+                                     shape_of, tensor_val)
 from sptransform.torch_internals import OpOverload, op_schema
 
 aten = torch.ops.aten
@@ -54,9 +62,10 @@ OWNED, PARTIAL, PLAIN = "owned", "partial", "plain"
 @dataclass(eq=False)
 class ExpertRegion:
     seeds: dict[fx.Node, fx.Node]
-    """Each expert gather ``index(w, [idx])`` -> the parameter placeholder ``w`` it reads."""
+    """Each seed (an expert gather ``index(w, [idx])`` or a grouped matmul) -> the parameter
+    placeholder it reads."""
     index: fx.Node
-    """The routing indices of the first seed (the mask of owned rows is computed from them)."""
+    """What says the first seed's rows: its routing indices (a gather) or offsets (a grouped matmul)."""
     rows: int
     """Leading dims of an owned tensor that are the token-expert pairs (``index``'s ndim)."""
     state: dict[fx.Node, str] = field(default_factory=dict)
@@ -250,7 +259,8 @@ def _index_root(node: fx.Node):
 
 def expert_seeds(gm: fx.GraphModule, params: dict[fx.Node, str]) -> dict[fx.Node, list[fx.Node]]:
     """Parameters read only by routing gathers ``index(w, [idx])`` (a 1-element index list on dim 0,
-    integer indices) -> those gathers."""
+    integer indices), or only by grouped matmuls as their weight (``grouped_weight_reads``) ->
+    those reads."""
     seeds = {}
     for param in params:
         value = tensor_val(param)
@@ -263,7 +273,36 @@ def expert_seeds(gm: fx.GraphModule, params: dict[fx.Node, str]) -> dict[fx.Node
                    and tensor_val(u.args[1][0]).dtype != torch.bool]
         if len(gathers) == len(param.users):
             seeds[param] = gathers
+        elif (grouped := grouped_weight_reads(param)):
+            seeds[param] = grouped
     return seeds
+
+
+def grouped_weight_reads(param: fx.Node) -> list[fx.Node] | None:
+    """The grouped matmuls that read the 3-D ``param`` as their weight, directly or through
+    transposes of its last two dims (which keep the experts on dim 0), when nothing else reads it."""
+    if _ndim(param) != 3:
+        return None
+    reads, frontier = [], [param]
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if is_grouped_mm(user) and user.args[1] is node and node not in (user.args[0], user.args[2]):
+                reads.append(user)
+            elif user.op == "call_function" and packet(user) is aten.transpose and user.args[0] is node \
+                    and 0 not in _dims(list(user.args[1:3]), 3):
+                frontier.append(user)
+            else:
+                return None
+    return reads
+
+
+def _seed_rows(seed: fx.Node) -> tuple[fx.Node, int]:
+    """What says which rows of ``seed`` go through which expert, and how many leading dims are rows."""
+    if is_grouped_mm(seed):
+        return seed.args[2], 1
+    idx = seed.args[1][0]
+    return idx, _ndim(idx) or 1
 
 
 def find_expert_regions(gm: fx.GraphModule, params: dict[fx.Node, str], data: set[fx.Node],
@@ -279,33 +318,56 @@ def find_expert_regions(gm: fx.GraphModule, params: dict[fx.Node, str], data: se
     seeds = expert_seeds(gm, params)
     regions: dict[tuple, ExpertRegion] = {}
     where: dict[fx.Node, ExpertRegion] = {}
-    for param, gathers in seeds.items():
-        for gather in gathers:
-            idx = gather.args[1][0]
-            region = regions.setdefault(_index_root(idx), ExpertRegion(seeds={}, index=idx, rows=_ndim(idx) or 1))
-            region.seeds[gather] = param
-            region.state[gather] = OWNED
-            where[gather] = region
+    for param, reads in seeds.items():
+        for seed in reads:
+            idx, rows = _seed_rows(seed)
+            key = (is_grouped_mm(seed), *_index_root(idx))
+            region = regions.setdefault(key, ExpertRegion(seeds={}, index=idx, rows=rows))
+            region.seeds[seed] = param
+            region.state[seed] = OWNED
+            where[seed] = region
     problems: list[str] = []
     for region in regions.values():
         counts = {shape_of(param)[0] for param in region.seeds.values()}
         if len(counts) > 1:
             problems.append(f"the expert tensors {sorted(p.name for p in region.seeds.values())} gathered by one routing "
                             f"index have different numbers of experts {sorted(counts)}")
-        dynamic = [g for g in region.seeds if data_dependent(g.args[1][0]) or data_dependent(g)]
+        dynamic = [g for g in region.seeds if data_dependent(_seed_rows(g)[0]) or data_dependent(g)
+                   or is_grouped_mm(g) and data_dependent(g.args[0])]
         if dynamic:
-            problems.append(f"{describe(dynamic[0])} gathers experts by indices whose shape depends on the data; expert "
+            problems.append(f"{describe(dynamic[0])} applies experts to rows whose number depends on the data; expert "
                             "parallelism exchanges tensors of static shapes")
+        groups = [g for g in region.seeds if is_grouped_mm(g) and shape_of(g.args[2]) != shape_of(region.seeds[g])[:1]]
+        problems += [f"{describe(g)} reads {shape_of(region.seeds[g])[0]} experts with offsets of shape "
+                     f"{list(shape_of(g.args[2]) or [])}: expert parallelism needs one offset per expert" for g in groups]
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node in where:
+        if node.op != "call_function":
+            continue
+        if node in where:
+            x = node.args[0] if is_grouped_mm(node) else None
+            if x in where and where[x] is not where[node]:
+                _merge(where[x], where[node], where, regions)
+            if x in where and where[x].state[x] != OWNED:  # a sum over ranks is no input of one rank's experts
+                problems.append(f"{describe(node)} applies the experts to a sum over the experts' ranks ({describe(x)}); "
+                                "expert parallelism cannot split that")
             continue
         mine = {where[a] for a in node.all_input_nodes if a in where}
         if not mine:
             continue
         if len(mine) > 1:
-            problems.append(f"{describe(node)} mixes the outputs of two expert layers routed by different indices")
-            continue
-        (region,) = mine
+            owned_all = {a for a in node.all_input_nodes if a in where and where[a].state[a] == OWNED}
+            rows = {r.rows for r in mine}
+            if len(rows) == 1 and owned_all == {a for a in node.all_input_nodes if a in where} \
+                    and rowwise(node, owned_all, rows.pop()):
+                # one layer's experts read two ways (a grouped matmul, a gather of its biases by the
+                # sorted expert ids): one region, whose seeds' masks the rewrite checks are equal
+                first, *rest = mine
+                for other in rest:
+                    _merge(first, other, where, regions)
+            else:
+                problems.append(f"{describe(node)} mixes the outputs of two expert layers routed by different indices")
+                continue
+        (region,) = {where[a] for a in node.all_input_nodes if a in where}
         owned = {a for a in node.all_input_nodes if region.state.get(a) == OWNED}
         partial = {a for a in node.all_input_nodes if region.state.get(a) == PARTIAL}
         if _draws(node):
@@ -340,6 +402,18 @@ def find_expert_regions(gm: fx.GraphModule, params: dict[fx.Node, str], data: se
     return list(regions.values()), problems
 
 
+def _merge(into: ExpertRegion, other: ExpertRegion, where: dict[fx.Node, ExpertRegion], regions: dict) -> None:
+    """Make ``other`` part of ``into`` (their rows found to be the same pairs)."""
+    into.seeds.update(other.seeds)
+    into.state.update(other.state)
+    into.masked |= other.masked
+    for node in other.state:
+        where[node] = into
+    for key, region in list(regions.items()):
+        if region is other:
+            del regions[key]
+
+
 def _finish(gm: fx.GraphModule, region: ExpertRegion, data: set[fx.Node]) -> None:
     """Outputs, inputs, and the data-only ops pulled in to exchange fewer bytes."""
     inside = set(region.state)
@@ -349,7 +423,7 @@ def _finish(gm: fx.GraphModule, region: ExpertRegion, data: set[fx.Node]) -> Non
     while changed:  # pull in a data-only producer that no one else reads and that does not shrink its input
         changed = False
         for node in list(_outside_inputs(region, inside)):
-            if node not in data or not _pullable(node, inside):
+            if node not in data or not _pullable(node, inside, data):
                 continue
             region.state[node] = PLAIN
             inside.add(node)
@@ -393,21 +467,22 @@ def _draws(node: fx.Node) -> bool:
     return is_random(node)
 
 
-def _pullable(node: fx.Node, inside: set[fx.Node]) -> bool:
-    """A data-only op computed from one outside tensor (never from the region: what reads the
-    region outside it reads the sum over the ranks), read only by the region, not smaller than
-    its input: exchanging its input costs no more than exchanging it."""
+def _pullable(node: fx.Node, inside: set[fx.Node], data: set[fx.Node]) -> bool:
+    """A data-only op computed from outside tensors (never from the region: what reads the region
+    outside it reads the sum over the ranks), read only by the region, whose data inputs are no
+    more bytes than it: exchanging them costs no more than exchanging it (a token copied per
+    chosen expert, ``x[perm // k]``: the tokens and the permutation are sent, not the copies)."""
     if node.op != "call_function" or is_multi_output(node) or node.target is operator.getitem:
         return False
     if any(a in inside for a in node.all_input_nodes):
         return False
     if _inplace(node) or _draws(node) or any(u not in inside for u in node.users):
         return False
-    tensors = [a for a in node.all_input_nodes if tensor_val(a) is not None]
+    tensors = [tensor_val(a) for a in node.all_input_nodes if a in data]
     value = tensor_val(node)
-    if len(tensors) != 1 or value is None:
+    if not tensors or value is None or any(t is None for t in tensors):
         return False
-    return tensor_val(tensors[0]).numel() <= value.numel()
+    return sum(t.numel() * t.element_size() for t in tensors) <= value.numel() * value.element_size()
 
 
 def data_nodes(gm: fx.GraphModule, user_inputs) -> set[fx.Node]:

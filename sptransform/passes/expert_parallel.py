@@ -21,6 +21,15 @@ its own tokens' outputs summed over the ranks that hold their experts:
              z = squeeze(scatter_seq(stack([z_0, ..., z_{ep-1}]), 0, ep), 0)
              out = add(residual, z)
 
+A grouped matmul of the experts, ``grouped_mm(x, w, offs)`` (rows ``[offs[e-1], offs[e])`` through
+expert ``e``), is run on this rank's experts with offsets that give its first local expert every
+row before its range and its last every row after (``offs[lo:hi-1] ++ [S]``), the rows of
+``[offs[lo-1], offs[hi-1])`` being the ones it owns:
+
+    before:  y = grouped_mm(xs, w, offs)                       # w [E, K, N]
+    after:   y_s = grouped_mm(select(XS, 0, s), w_local, cat([offs_s[lo:hi-1], [S]]))
+             m_s = (arange(S) >= offs_s[lo-1]) & (arange(S) < offs_s[hi-1])
+
 Forward, a rank sends its data inputs to the other ``ep - 1`` ranks and receives theirs, and
 reduce-scatters ``ep`` outputs; backward, the conjugates (``gather_seq``/``scatter_seq``) send
 the gradients back the same way. The expert parameters' gradients are then this rank's
@@ -36,7 +45,7 @@ import torch
 import torch.fx as fx
 
 from sptransform.graph.experts import OWNED, SHAPE_ONLY, ExpertRegion, region_args
-from sptransform.graph.nodes import packet, shape_of, tensor_val
+from sptransform.graph.nodes import is_grouped_mm, packet, shape_of, tensor_val
 from sptransform.runtime.collectives import copy_to_tp, gather_seq, reduce_from_tp, scatter_seq
 from sptransform.runtime.ops import take_local
 
@@ -112,6 +121,7 @@ def _rewrite(gm: fx.GraphModule, region: ExpertRegion, params: dict[fx.Node, str
     gathered: dict[fx.Node, fx.Node] = {}
     selected: dict[tuple[fx.Node, int], fx.Node] = {}
     masks: list[fx.Node | None] = [None] * ep
+    owners: list[fx.Node | None] = [None] * ep  # the expert of each row, by the first seed (checked against the others)
     masked: dict[tuple[fx.Node, int], fx.Node] = {}
     local: dict[tuple[fx.Node, int], fx.Node] = {}  # (copy's indices, E) -> local indices: once per routing
 
@@ -146,12 +156,26 @@ def _rewrite(gm: fx.GraphModule, region: ExpertRegion, params: dict[fx.Node, str
                     gathered[a] = call(gather_seq, (up, 0, plan.group), stacked)
             owned = region.state[node] == OWNED
             for s in range(ep):
-                if node in region.seeds:
+                if node in region.seeds and is_grouped_mm(node):
+                    param = region.seeds[node]
+                    x, offs = node.args[0], node.args[2]
+                    rows_of, experts = source(offs, s, True), plan.experts[params[param]]
+                    if (rows_of, experts) not in local:
+                        local[(rows_of, experts)], mask, owner = _local_offsets(rows_of, shape_of(x)[0], experts, plan,
+                                                                                 params[param], call)
+                        masks[s] = mask if masks[s] is None else masks[s]
+                        owners[s] = _same_rows(owners[s], owner, call)
+                    swap = {x: source(x, s, True), offs: local[(rows_of, experts)]}
+                    copy = graph.node_copy(node, lambda a, s=s, swap=swap: swap[a] if a in swap else source(a, s, True))
+                    copy.meta = dict(node.meta)
+                    env[s][node] = copy
+                elif node in region.seeds:
                     param = region.seeds[node]
                     idx, experts = source(node.args[1][0], s, True), plan.experts[params[param]]
                     if (idx, experts) not in local:
-                        local[(idx, experts)], mask = _local_indices(idx, experts, plan, params[param], call)
+                        local[(idx, experts)], mask, owner = _local_indices(idx, experts, plan, params[param], call)
                         masks[s] = mask if masks[s] is None else masks[s]
+                        owners[s] = _same_rows(owners[s], owner, call)
                     env[s][node] = call(aten.index.Tensor, (param, [local[(idx, experts)]]), tensor_val(node))
                 elif packet(node) in SHAPE_ONLY:  # the shape as a list: the shape's tensor is not exchanged
                     env[s][node] = call(SHAPE_ONLY[packet(node)], (source(node.args[0], s, owned),
@@ -176,9 +200,65 @@ def _rewrite(gm: fx.GraphModule, region: ExpertRegion, params: dict[fx.Node, str
         graph.erase_node(node)
 
 
-def _local_indices(idx: fx.Node, experts: int, plan: ExpertParallelPlan, name: str, call) -> tuple[fx.Node, fx.Node]:
+def _same_rows(owner: fx.Node | None, other: fx.Node, call) -> fx.Node:
+    """The expert of each row of a region, by its first seed. A later seed whose rows are routed
+    another way (the biases gathered by sorted expert ids beside a grouped matmul by offsets) must
+    route them to the same experts, checked as it runs: the analysis cannot prove from dataflow that
+    offsets count those ids. Every rank checks every source rank's rows against all the experts,
+    so every rank of the group stops at the same check (none is left waiting in a collective)."""
+    if owner is None or other is owner:
+        return other if owner is None else owner
+    flags = _fake(lambda v: v >= 0, tensor_val(owner))
+    same = call(aten.all.default, (call(aten.eq.Tensor, (owner, other), flags),))
+    call(aten._assert_async.msg, (same, "expert parallelism: two reads of one expert layer's weights route its rows to "
+                                  "different experts (a grouped matmul's offsets do not count the expert ids its other "
+                                  "expert tensors are gathered by); this model cannot be split by ep: use ep=1"))
+    return owner
+
+
+def _local_offsets(offs: fx.Node, rows: int, experts: int, plan: ExpertParallelPlan, name: str,
+                   call) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """Offsets of this rank's experts ``[lo, hi)`` of ``name`` for a grouped matmul of ``rows`` rows,
+    the mask of the rows they own, ``offs[lo-1] <= r < offs[hi-1]``, and each row's expert (``E``
+    past the last group). The first local group
+    starts at row 0 and the last ends at ``rows``, so every row is computed (another rank's rows
+    with a wrong expert, masked later): no row is left as the kernel's uninitialised memory."""
+    per_rank = experts // plan.size
+    lo = plan.rank * per_rank
+    hi = lo + per_rank
+    value = tensor_val(offs)
+    flags = _fake(lambda v: v >= 0, value)
+    # one device's grouped matmul: offsets nondecreasing within [0, rows] (else its groups overlap)
+    bounded = call(aten.logical_and.default, (call(aten.ge.Scalar, (offs, 0), flags),
+                                              call(aten.le.Scalar, (offs, rows), flags)), flags)
+    steps = _fake(lambda v: v[1:] >= 0, value)
+    rising = call(aten.ge.Tensor, (call(aten.slice.Tensor, (offs, 0, 1, experts)),
+                                   call(aten.slice.Tensor, (offs, 0, 0, experts - 1))), steps)
+    valid = call(aten.logical_and.default, (call(aten.all.default, (bounded,)), call(aten.all.default, (rising,))))
+    call(aten._assert_async.msg, (valid, f"grouped matmul offsets of {name} are not nondecreasing within [0, {rows}]"))
+    row_flags = _fake(lambda v: v.new_empty(rows, dtype=torch.bool), value)
+    index = call(aten.arange.start_step, (0, rows), _fake(lambda v: v.new_empty(rows), value))
+    index.kwargs = {"dtype": value.dtype if value is not None else torch.int32,
+                    "device": value.device if value is not None else None}
+    owner = call(aten.searchsorted.Tensor, (offs, index), _fake(lambda v: v.new_empty(rows, dtype=torch.int64), value))
+    owner.kwargs = {"right": True}
+    end = call(aten.select.int, (offs, 0, hi - 1), _fake(lambda v: v[0], value))
+    mask = call(aten.lt.Tensor, (index, end), row_flags)
+    if lo > 0:
+        start = call(aten.select.int, (offs, 0, lo - 1), _fake(lambda v: v[0], value))
+        mask = call(aten.logical_and.default, (call(aten.ge.Tensor, (index, start), row_flags), mask), row_flags)
+    last = call(aten.full.default, ([1], rows), _fake(lambda v: v[:1], value))
+    last.kwargs = {"dtype": value.dtype if value is not None else torch.int32,
+                   "device": value.device if value is not None else None}
+    local = call(aten.cat.default, ([call(aten.slice.Tensor, (offs, 0, lo, hi - 1)), last], 0),
+                 _fake(lambda v: v[lo:hi], value))
+    return local, mask, owner
+
+
+def _local_indices(idx: fx.Node, experts: int, plan: ExpertParallelPlan, name: str,
+                   call) -> tuple[fx.Node, fx.Node, fx.Node]:
     """Indices into this rank's experts ``[lo, hi)`` of ``name`` (0 where another rank's expert is
-    chosen) and the mask of the pairs this rank's experts own."""
+    chosen), the mask of the pairs this rank's experts own, and each pair's expert in ``[0, E)``."""
     per_rank = experts // plan.size
     lo = plan.rank * per_rank
     value = tensor_val(idx)
@@ -192,4 +272,4 @@ def _local_indices(idx: fx.Node, experts: int, plan: ExpertParallelPlan, name: s
     mask = call(aten.logical_and.default, (call(aten.ge.Scalar, (idx, lo), flags),
                                            call(aten.lt.Scalar, (idx, lo + per_rank), flags)), flags)
     shifted = call(aten.sub.Tensor, (idx, lo), value)
-    return call(aten.where.ScalarOther, (mask, shifted, 0), value), mask
+    return call(aten.where.ScalarOther, (mask, shifted, 0), value), mask, idx

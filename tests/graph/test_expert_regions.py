@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import pytest
 
 from sptransform.capture import FakeTemplate, capture
 from sptransform.graph.experts import OWNED, PARTIAL, PLAIN, data_nodes, find_expert_regions, is_zero, rowwise
@@ -187,3 +188,82 @@ def test_calls_an_earlier_pass_emitted_stay_inside_where_the_pass_says_they_keep
     # a cut along the pairs' own dim does not keep each row: it stays outside
     (region,), problems = find_expert_regions(gm, params, data, emitted=lambda n: (0,) if n is stub else None)
     assert stub not in region.state
+
+
+class GroupedMLP(nn.Module):
+    """Top-k routing with the pairs sorted by expert, each projection one grouped matmul (transformers'
+    op, offsets from a histogram of the sorted ids), the up projection's biases gathered by those ids."""
+
+    def __init__(self, experts=4, hidden=8, inner=16, k=2, bias=True):
+        super().__init__()
+        from transformers.integrations import moe  # noqa: F401  (registers transformers' grouped matmul op)
+
+        self.k, self.hidden, self.experts = k, hidden, experts
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.up = nn.Parameter(torch.randn(experts, inner, hidden) / hidden ** 0.5)  # [E, out, in]: read transposed
+        self.up_bias = nn.Parameter(torch.randn(experts, inner) / 10) if bias else None
+        self.down = nn.Parameter(torch.randn(experts, inner, hidden) / inner ** 0.5)  # [E, in, out]
+
+    def forward(self, x):
+        h = x.reshape(-1, self.hidden)
+        weights, idx = torch.topk(self.router(h).softmax(-1), self.k)
+        ids, order = idx.reshape(-1).sort()
+        offs = torch.histc(ids.float(), bins=self.experts, min=0, max=self.experts - 1).cumsum(0).to(torch.int32)
+        a = torch.ops.transformers.grouped_mm_fallback(h[order // self.k], self.up.transpose(-2, -1), offs)
+        if self.up_bias is not None:
+            a = a + self.up_bias[ids]
+        y = torch.ops.transformers.grouped_mm_fallback(F.gelu(a), self.down, offs)
+        y = y[order.argsort()] * weights.reshape(-1, 1)
+        return x + y.view(-1, self.k, self.hidden).sum(1).view_as(x)
+
+
+def test_grouped_matmuls_of_the_sorted_pairs_are_one_region_with_the_biases_gathered_by_the_sorted_ids():
+    pytest.importorskip("transformers.integrations.moe")
+    gm, params, regions, problems = _regions(GroupedMLP().eval())
+    assert problems == []
+    (region,) = regions  # the grouped matmuls (rows by offsets) and the bias gather (rows by ids): merged
+    assert sorted(params[p] for p in region.seeds.values()) == ["down", "up", "up_bias"]
+    grouped = [n for n in region.seeds if n.target.name() == "transformers::grouped_mm_fallback"]
+    assert len(grouped) == 2 and all(region.state[n] == OWNED for n in grouped)
+    # the pairs are put back in order by a gather of rows: not row by row, so from there partial
+    (back,) = [n for n in region.nodes if n.target == aten.index.Tensor and n not in region.seeds
+               and region.state[n] == PARTIAL]
+    assert back.args[0] in region.masked
+    (output,) = region.outputs
+    assert region.state[output] == PARTIAL and [u.target for u in output.users] == [aten.add.Tensor]
+
+
+def test_the_tokens_are_exchanged_not_the_sorted_copies_per_chosen_expert():
+    pytest.importorskip("transformers.integrations.moe")
+    gm, params, regions, _ = _regions(GroupedMLP(bias=False).eval())
+    (region,) = regions
+    (copies,) = [n for n in gm.graph.nodes if n.target == aten.index.Tensor and n.args[0].target == aten.reshape.default]
+    assert region.state[copies] == PLAIN  # h[order // k] is computed on each rank from what it receives
+    shapes = sorted(tuple(n.meta["val"].shape) for n in region.inputs)
+    # the tokens [T, H], the sort's permutation and the routing weights [T * k], the counts per expert [E]
+    assert (12, 8) in shapes and (12 * 2, 8) not in shapes, shapes
+
+
+def test_a_parameter_read_by_a_grouped_matmul_and_anything_else_is_not_an_expert():
+    pytest.importorskip("transformers.integrations.moe")
+
+    class Mixed(GroupedMLP):
+        def forward(self, x):
+            return super().forward(x) + self.down.sum()
+
+    _, params, regions, _ = _regions(Mixed().eval())
+    (region,) = regions
+    assert "down" not in {params[p] for p in region.seeds.values()}
+
+
+def test_a_grouped_matmul_of_some_of_the_experts_is_not_split_by_expert():
+    pytest.importorskip("transformers.integrations.moe")
+
+    class Halved(GroupedMLP):  # a grouped matmul of the first 2 of the 4 experts: dim 0 is no longer E
+        def forward(self, x):
+            h = x.reshape(-1, self.hidden)
+            offs = torch.tensor([6, 12], dtype=torch.int32)
+            return torch.ops.transformers.grouped_mm_fallback(h, self.down.transpose(-2, -1)[:2], offs).sum()
+
+    _, _, regions, problems = _regions(Halved(bias=False).eval())
+    assert regions == [] and problems == []

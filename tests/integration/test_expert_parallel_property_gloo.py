@@ -1,5 +1,6 @@
 """Property test of expert parallelism on real gloo ranks: MoE layers written in many ways
-(``tests/models/routed.py``: the router, the experts' stored layout, biases, gating, where the
+(``tests/models/routed.py``: the router, the experts' stored layout and how they are applied
+(gathered per pair or a grouped matmul of the sorted pairs), biases, gating, where the
 routing weight is applied, how pairs are summed back to tokens, a shared expert), drawn by
 hypothesis, trained at ``dp=2, ep=2`` (ZeRO 0 or 1; tp 1 or 2) like the original on the whole batch: the
 loss, every gradient and the parameters after 2 AdamW steps, in float64. Each example spawns its
@@ -14,7 +15,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from models.routed import RoutedConfig, RoutedLM
@@ -83,10 +84,12 @@ CONFIGS = st.builds(
     combine=st.sampled_from(["view_sum", "index_add", "index_add_", "einsum"]),
     weights_before=st.booleans(),
     shared=st.booleans(),
+    dispatch=st.sampled_from(["gather", "grouped"]),
 )
 
 
 @settings(max_examples=8, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=CONFIGS, zero=st.sampled_from([0, 1]), tp=st.sampled_from(TP))
+@example(config=RoutedConfig(dispatch="grouped", layout="in_out", bias=True, combine="index_add"), zero=1, tp=1)
 def test_routed_experts_written_many_ways_split_over_ep_and_train_like_the_original(config, zero, tp):
     spawn_with_deadline(_worker, 2 * tp, 300.0, config, zero, tp)

@@ -1,7 +1,7 @@
 """A small causal LM with routed experts written several ways (not transformers' code), for the
 property test of expert parallelism: how the router scores, how the experts are stored and
-applied (gathered per token-expert pair, ``w[idx]``), where the routing weight is applied and
-how the pairs are summed back to tokens all vary, so that the region analysis meets shapes of
+applied (gathered per token-expert pair, ``w[idx]``, or the pairs sorted by expert through a
+grouped matmul), where the routing weight is applied and how the pairs are summed back to tokens all vary, so that the region analysis meets shapes of
 MoE code it was not written against."""
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ class RoutedConfig:
     """Scale each pair's input by its routing weight before the experts, not its output after."""
     shared: bool = False
     """A dense expert beside the routed ones, added to their sum."""
+    dispatch: str = "gather"
+    """``gather``: each pair gathers its expert's weights (``w[idx]``) for a ``bmm``; ``grouped``: the
+    pairs sorted by expert, each projection one grouped matmul (transformers' op; offsets from a
+    histogram of the sorted ids), biases gathered by the sorted ids, the pairs put back in order."""
 
 
 class RoutedMLP(nn.Module):
@@ -71,6 +75,25 @@ class RoutedMLP(nn.Module):
             torch.bmm(x.unsqueeze(1), w).squeeze(1)
         return y + bias[flat] if bias is not None else y
 
+    def _grouped(self, weight, bias, ids, offs, x):
+        from transformers.integrations import moe  # noqa: F401  (registers transformers' grouped matmul op)
+
+        w = weight.transpose(-2, -1) if self.c.layout == "out_in" else weight
+        y = torch.ops.transformers.grouped_mm_fallback(x, w, offs)
+        return y + bias[ids] if bias is not None else y
+
+    def _experts(self, flat, pairs):
+        c = self.c
+        if c.dispatch == "grouped":
+            ids, order = flat.sort(stable=True)
+            offs = torch.histc(ids.double(), bins=c.experts, min=0, max=c.experts - 1).cumsum(0).to(torch.int32)
+            a = self._grouped(self.up, self.up_bias, ids, offs, pairs[order])
+            a = F.silu(a[:, :c.inner]) * a[:, c.inner:] if c.gated else F.gelu(a)
+            return self._grouped(self.down, self.down_bias, ids, offs, a)[order.argsort()]
+        a = self._linear(self.up, self.up_bias, flat, pairs)
+        a = F.silu(a[:, :c.inner]) * a[:, c.inner:] if c.gated else F.gelu(a)
+        return self._linear(self.down, self.down_bias, flat, a)
+
     def forward(self, x):
         c = self.c
         h = x.reshape(-1, c.hidden)
@@ -79,9 +102,7 @@ class RoutedMLP(nn.Module):
         pairs = h.repeat_interleave(c.top_k, 0)
         if c.weights_before:
             pairs = pairs * pair_w
-        a = self._linear(self.up, self.up_bias, flat, pairs)
-        a = F.silu(a[:, :c.inner]) * a[:, c.inner:] if c.gated else F.gelu(a)
-        y = self._linear(self.down, self.down_bias, flat, a)
+        y = self._experts(flat, pairs)
         if not c.weights_before and c.combine != "einsum":
             y = y * pair_w
         tokens = torch.arange(h.shape[0], device=h.device).repeat_interleave(c.top_k)
