@@ -125,7 +125,8 @@ def parallelize(
     Expert parallelism (``ep``, dividing ``dp``): the data-parallel ranks fall into groups of ``ep``
     consecutive data-parallel ranks; each rank of a group stores ``E/ep`` of every routed expert layer's experts
     (found on the graph: expert weights gathered by routing indices, transformers'
-    ``experts_implementation="batched_mm"``) and applies them to the tokens of the whole group,
+    ``experts_implementation="batched_mm"``, or read by a grouped matmul with per-expert offsets,
+    its default ``"grouped_mm"``) and applies them to the tokens of the whole group,
     exchanged by an all-gather before the experts and a reduce-scatter after them (no token
     dropped; ``passes.expert_parallel``). Parameters are DTensors on an ``("edp", "ep", "tp")``
     mesh, experts ``Shard(0)`` on ``ep``; expert gradients are averaged over the ``dp / ep`` ranks

@@ -80,8 +80,7 @@ def register(subparsers) -> None:
     parser.add_argument("--dp", type=int_type(1, MAX_RANKS, why="dp x pp x tp processes are spawned"), default=1,
                         help="data-parallel groups, each on its piece of the batch (default 1)")
     parser.add_argument("--ep", type=int_type(1, MAX_RANKS, why="it divides --dp"), default=1,
-                        help="expert-parallel groups of this many dp ranks split the experts (default 1; divides --dp; "
-                             "a transformers MoE model's experts then run as batched_mm)")
+                        help="expert-parallel groups of this many dp ranks split the experts (default 1; divides --dp)")
     parser.add_argument("--shard-whole", dest="shard_whole", action="store_true",
                         help="store what tensor parallelism keeps whole in 1/tp pieces (parallelize's shard_whole)")
     where = parser.add_mutually_exclusive_group()
@@ -123,8 +122,6 @@ def run(args: argparse.Namespace) -> int:
 
     torch.manual_seed(0)  # the model's initial weights (alike on every rank of a torchrun job)
     model, example_inputs = build_model(args.model, layers=layers, seq=seq or 8 * tp)
-    if args.ep > 1 and hasattr(model, "set_experts_implementation"):  # ep splits experts gathered per token
-        model.set_experts_implementation("batched_mm")
     if example_inputs is None and (seq is not None or batch is not None):
         example_inputs = token_inputs(model, batch=batch or default_batch, seq=seq or 8 * tp)
     with _torchrun_group() as rank:

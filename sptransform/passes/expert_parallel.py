@@ -21,14 +21,18 @@ its own tokens' outputs summed over the ranks that hold their experts:
              z = squeeze(scatter_seq(stack([z_0, ..., z_{ep-1}]), 0, ep), 0)
              out = add(residual, z)
 
-A grouped matmul of the experts, ``grouped_mm(x, w, offs)`` (rows ``[offs[e-1], offs[e])`` through
-expert ``e``), is run on this rank's experts with offsets that give its first local expert every
-row before its range and its last every row after (``offs[lo:hi-1] ++ [S]``), the rows of
-``[offs[lo-1], offs[hi-1])`` being the ones it owns:
+A grouped matmul of the experts, ``grouped_mm(x, w, offs)`` (rows sorted by expert, rows
+``[offs[e-1], offs[e])`` through expert ``e``), runs this rank's experts on its own rows only:
+the rows of ``[a, b) = [offs[lo-1], offs[hi-1])`` are turned to the front, and the local offsets
+end at ``b - a`` (rows in no group are zeroed before and after, as a kernel may leave them
+uninitialised):
 
-    before:  y = grouped_mm(xs, w, offs)                       # w [E, K, N]
-    after:   y_s = grouped_mm(select(XS, 0, s), w_local, cat([offs_s[lo:hi-1], [S]]))
-             m_s = (arange(S) >= offs_s[lo-1]) & (arange(S) < offs_s[hi-1])
+    before:  y = grouped_mm(xs, w, offs)                       # w [E, K, N], xs [S, K]
+    after:   r = arange(S); a, b = offs_s[lo-1], offs_s[hi-1]   # (a = 0 on the first rank: no turn)
+             k = (r < b - a)[:, None]
+             t = where(k, index(select(XS, 0, s), [(r + a) % S]), 0)
+             y_s = index(where(k, grouped_mm(t, w_local, offs_s[lo:hi] - a), 0), [(r - a) % S])
+             m_s = (r >= a) & (r < b)                           # the rows it owns
 
 Forward, a rank sends its data inputs to the other ``ep - 1`` ranks and receives theirs, and
 reduce-scatters ``ep`` outputs; backward, the conjugates (``gather_seq``/``scatter_seq``) send
@@ -161,14 +165,12 @@ def _rewrite(gm: fx.GraphModule, region: ExpertRegion, params: dict[fx.Node, str
                     x, offs = node.args[0], node.args[2]
                     rows_of, experts = source(offs, s, True), plan.experts[params[param]]
                     if (rows_of, experts) not in local:
-                        local[(rows_of, experts)], mask, owner = _local_offsets(rows_of, shape_of(x)[0], experts, plan,
-                                                                                 params[param], call)
-                        masks[s] = mask if masks[s] is None else masks[s]
-                        owners[s] = _same_rows(owners[s], owner, call)
-                    swap = {x: source(x, s, True), offs: local[(rows_of, experts)]}
-                    copy = graph.node_copy(node, lambda a, s=s, swap=swap: swap[a] if a in swap else source(a, s, True))
-                    copy.meta = dict(node.meta)
-                    env[s][node] = copy
+                        own = local[(rows_of, experts)] = _local_offsets(rows_of, shape_of(x)[0], experts, plan,
+                                                                         params[param], call)
+                        masks[s] = own.mask if masks[s] is None else masks[s]
+                        owners[s] = _same_rows(owners[s], own.owner, call)
+                    env[s][node] = _own_rows_matmul(graph, node, source(x, s, True), local[(rows_of, experts)],
+                                                    lambda a, s=s: source(a, s, True), call)
                 elif node in region.seeds:
                     param = region.seeds[node]
                     idx, experts = source(node.args[1][0], s, True), plan.experts[params[param]]
@@ -216,17 +218,36 @@ def _same_rows(owner: fx.Node | None, other: fx.Node, call) -> fx.Node:
     return owner
 
 
-def _local_offsets(offs: fx.Node, rows: int, experts: int, plan: ExpertParallelPlan, name: str,
-                   call) -> tuple[fx.Node, fx.Node, fx.Node]:
-    """Offsets of this rank's experts ``[lo, hi)`` of ``name`` for a grouped matmul of ``rows`` rows,
-    the mask of the rows they own, ``offs[lo-1] <= r < offs[hi-1]``, and each row's expert (``E``
-    past the last group). The first local group
-    starts at row 0 and the last ends at ``rows``, so every row is computed (another rank's rows
-    with a wrong expert, masked later): no row is left as the kernel's uninitialised memory."""
+@dataclass(frozen=True)
+class _OwnRows:
+    """How one source rank's rows of a grouped matmul run through this rank's experts."""
+
+    offsets: fx.Node
+    """The local experts' offsets, counted from this rank's first row (``offs[lo:hi] - offs[lo-1]``)."""
+    mask: fx.Node
+    """Rows (in the matmul's order) routed to this rank's experts: ``offs[lo-1] <= r < offs[hi-1]``."""
+    owner: fx.Node
+    """Each row's expert (``E`` past the last group)."""
+    turned: fx.Node
+    """Rows in the order this rank computes them (``kept`` first), as a row index: ``(r + offs[lo-1]) % S``."""
+    back: fx.Node
+    """The inverse order: ``(r - offs[lo-1]) % S``."""
+    kept: fx.Node
+    """In the turned order, the rows this rank computes: ``r < offs[hi-1] - offs[lo-1]``."""
+
+
+def _local_offsets(offs: fx.Node, rows: int, experts: int, plan: ExpertParallelPlan, name: str, call) -> _OwnRows:
+    """This rank's experts ``[lo, hi)`` of ``name`` for a grouped matmul of ``rows`` rows (sorted by
+    expert: its own rows are one contiguous range). The rows are turned so that its range comes
+    first, and the local offsets end where it ends: the kernel computes only this rank's rows (the
+    others are in no group; the rewrite zeroes them before and after, since a kernel may leave
+    rows in no group uninitialised, in its output and in its input's gradient)."""
     per_rank = experts // plan.size
     lo = plan.rank * per_rank
     hi = lo + per_rank
     value = tensor_val(offs)
+    kind = {"dtype": value.dtype if value is not None else torch.int32,
+            "device": value.device if value is not None else None}
     flags = _fake(lambda v: v >= 0, value)
     # one device's grouped matmul: offsets nondecreasing within [0, rows] (else its groups overlap)
     bounded = call(aten.logical_and.default, (call(aten.ge.Scalar, (offs, 0), flags),
@@ -237,22 +258,41 @@ def _local_offsets(offs: fx.Node, rows: int, experts: int, plan: ExpertParallelP
     valid = call(aten.logical_and.default, (call(aten.all.default, (bounded,)), call(aten.all.default, (rising,))))
     call(aten._assert_async.msg, (valid, f"grouped matmul offsets of {name} are not nondecreasing within [0, {rows}]"))
     row_flags = _fake(lambda v: v.new_empty(rows, dtype=torch.bool), value)
-    index = call(aten.arange.start_step, (0, rows), _fake(lambda v: v.new_empty(rows), value))
-    index.kwargs = {"dtype": value.dtype if value is not None else torch.int32,
-                    "device": value.device if value is not None else None}
+    row_values = _fake(lambda v: v.new_empty(rows), value)
+    index = call(aten.arange.start_step, (0, rows), row_values)
+    index.kwargs = dict(kind)
     owner = call(aten.searchsorted.Tensor, (offs, index), _fake(lambda v: v.new_empty(rows, dtype=torch.int64), value))
     owner.kwargs = {"right": True}
-    end = call(aten.select.int, (offs, 0, hi - 1), _fake(lambda v: v[0], value))
+    scalar = _fake(lambda v: v[0], value)
+    end = call(aten.select.int, (offs, 0, hi - 1), scalar)
     mask = call(aten.lt.Tensor, (index, end), row_flags)
-    if lo > 0:
-        start = call(aten.select.int, (offs, 0, lo - 1), _fake(lambda v: v[0], value))
-        mask = call(aten.logical_and.default, (call(aten.ge.Tensor, (index, start), row_flags), mask), row_flags)
-    last = call(aten.full.default, ([1], rows), _fake(lambda v: v[:1], value))
-    last.kwargs = {"dtype": value.dtype if value is not None else torch.int32,
-                   "device": value.device if value is not None else None}
-    local = call(aten.cat.default, ([call(aten.slice.Tensor, (offs, 0, lo, hi - 1)), last], 0),
-                 _fake(lambda v: v[lo:hi], value))
-    return local, mask, owner
+    local = call(aten.slice.Tensor, (offs, 0, lo, hi), _fake(lambda v: v[lo:hi], value))
+    if lo == 0:  # this rank's rows come first already
+        return _OwnRows(local, mask, owner, index, index, mask)
+    start = call(aten.select.int, (offs, 0, lo - 1), scalar)
+    mask = call(aten.logical_and.default, (call(aten.ge.Tensor, (index, start), row_flags), mask), row_flags)
+    local = call(aten.sub.Tensor, (local, start), tensor_val(local))
+    turned = call(aten.remainder.Scalar, (call(aten.add.Tensor, (index, start), row_values), rows), row_values)
+    back = call(aten.remainder.Scalar, (call(aten.sub.Tensor, (index, start), row_values), rows), row_values)
+    kept = call(aten.lt.Tensor, (index, call(aten.sub.Tensor, (end, start), scalar)), row_flags)
+    return _OwnRows(local, mask, owner, turned, back, kept)
+
+
+def _own_rows_matmul(graph: fx.Graph, node: fx.Node, x: fx.Node, own: _OwnRows, args, call) -> fx.Node:
+    """``node`` (a grouped matmul) on this rank's rows of ``x`` only, its result in ``x``'s row order
+    with every other row zero."""
+    def rows(t: fx.Node, order: fx.Node) -> fx.Node:  # (the first rank's rows are not turned)
+        return t if own.turned is own.back else call(aten.index.Tensor, (t, [order]), tensor_val(t))
+
+    def zero_others(t: fx.Node) -> fx.Node:
+        value = tensor_val(t)
+        kept = call(aten.unsqueeze.default, (own.kept, -1), _fake(lambda v: v.unsqueeze(-1), tensor_val(own.kept)))
+        return call(aten.where.ScalarOther, (kept, t, 0.0), value)
+
+    mine = zero_others(rows(x, own.turned))  # zero: the gradient of a row in no group may be garbage
+    copy = graph.node_copy(node, lambda a: mine if a is node.args[0] else own.offsets if a is node.args[2] else args(a))
+    copy.meta = dict(node.meta)
+    return rows(zero_others(copy), own.back)
 
 
 def _local_indices(idx: fx.Node, experts: int, plan: ExpertParallelPlan, name: str,

@@ -77,6 +77,7 @@ def _worker(rank: int, world: int, port: int, ep: int, cases, results, tp: int =
             results[(name, rank)] = _train_and_compare(*case, ep=ep, tp=tp)
         if world == 2:
             _refusals()
+            _rows_in_no_group_left_uninitialised()  # last: it replaces the grouped matmul's kernels in this process
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -211,6 +212,45 @@ def _refusals() -> None:
     with pytest.raises(ValueError, match=r"pass inputs of different shapes .* ep > 1"):
         pm(input_ids=mine, labels=mine)
     pm(input_ids=ids, labels=ids).loss.backward()  # and the module still works after it
+
+
+def _rows_in_no_group_left_uninitialised() -> None:
+    """A GPU grouped-matmul kernel leaves rows in no group uninitialised, in its output and in its
+    input's gradient; transformers' CPU fallback zeroes them. With the fallback's kernels replaced by
+    ones that write NaN there, a rank's grouped matmuls (which put every other rank's rows in no group)
+    still train like the original, whose rows are all in some group (each of the two zeroings the
+    rewrite adds, before and after the matmul, was checked to be needed here: without either, NaN
+    reaches the gradients)."""
+    import sptransform
+    from models.routed import RoutedConfig, RoutedLM
+    from transformers.integrations import moe
+
+    def forward(x, w, offs):
+        out = moe._grouped_mm_fallback(x, w, offs)
+        out[int(offs[-1]):] = float("nan")
+        return out
+
+    def backward(x, w, offs, grad):
+        grad_x, grad_w = moe._grouped_mm_fallback_bwd(x, w, offs, grad)
+        grad_x[int(offs[-1]):] = float("nan")
+        return grad_x, grad_w
+
+    torch.library.register_kernel("transformers::grouped_mm_fallback", "cpu", forward)
+    torch.library.register_kernel("transformers::grouped_mm_fallback_backward", "cpu", backward)
+    torch.manual_seed(0)
+    model = RoutedLM(RoutedConfig(dispatch="grouped", bias=True, weights_before=True)).double()
+    ref = copy.deepcopy(model)
+    torch.manual_seed(1)
+    data = torch.randint(0, 64, (2 * PER_RANK, 8))
+    mine = data[dist.get_rank() * PER_RANK:(dist.get_rank() + 1) * PER_RANK]
+    pm = sptransform.parallelize(model, tp=1, dp=2, ep=2, example_inputs=(mine, mine))
+    loss, ref_loss = pm(mine, mine), ref(data, data)
+    loss.backward()
+    ref_loss.backward()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    torch.testing.assert_close(mean / 2, ref_loss.detach(), rtol=1e-10, atol=1e-12)
+    assert_grads_match(pm, ref, rtol=1e-8, atol=1e-11, what="NaN in rows in no group: ")
 
 
 def _report(results: dict, ep: int) -> None:
