@@ -51,7 +51,7 @@ CASES = [  # (family, layers, zero, recompute[, sp[, experts]]; "torch.compile":
     ("qwen2_moe", 1, 0, "torch.compile"),
     # transformers' default experts: the pairs sorted by expert, one grouped matmul per projection with
     # offsets from a histogram; each rank's grouped matmul runs its experts on offsets of its own
-    ("mixtral", 1, 0, "none", True, "grouped_mm"),
+    ("mixtral", 1, 0, "torch.compile", True, "grouped_mm"),
     # ... and gpt_oss's biases gathered by the sorted ids beside it (one region, checked to route alike)
     ("gpt_oss", 1, 1, "selective", True, "grouped_mm"),
 ]
@@ -300,12 +300,13 @@ def test_tensor_and_expert_parallel_together_train_like_the_original_on_gloo():
     """tp=2 x dp=2 x ep=2 (4 ranks): the experts' matrices split by their hidden dims over tp and
     by expert over ep. gpt_oss's row-parallel down projection has a bias, so the tensor-parallel
     all-reduce sits inside its expert region (run once per source rank, paired on the tp peers);
-    mixtral's sits after the combine, without sequence parallelism."""
+    mixtral's sits after the combine, without sequence parallelism. gpt_oss again with its default
+    grouped matmuls: each rank's turned rows through its tp-split experts."""
     import torch.multiprocessing as mp
 
     results = mp.Manager().dict()
-    spawn_with_deadline(_worker, 4, 900.0, 2, [("gpt_oss", 1, 1, "none"), ("mixtral", 1, 0, "none", False)],
-                        results, 2)
+    spawn_with_deadline(_worker, 4, 900.0, 2, [("gpt_oss", 1, 1, "none"), ("mixtral", 1, 0, "none", False),
+                                               ("gpt_oss", 1, 1, "none", True, "grouped_mm")], results, 2)
     results = dict(results)
     _report(results, 2)
     _check_bytes(results)
