@@ -682,7 +682,8 @@ def worker(model_type: str, class_name: str, target: Target, result_path: str, e
 # -- the sweep: one subprocess per family -------------------------------------------------------
 
 COLUMNS = (("tp2_sp", "tp=2+SP"), ("tp4", "tp=4"), ("pp2", "pp=2"), ("ep2", "dp=2, ep=2"),
-           ("ep2_grouped", "dp=2, ep=2, grouped_mm"), ("tp2_ep2", "tp=2+SP, dp=2, ep=2"), ("tp2_whole", "tp=2+SP, shard_whole"),
+           ("ep2_grouped", "dp=2, ep=2, grouped_mm"), ("tp2_ep2", "tp=2+SP, dp=2, ep=2"),
+           ("tp2_ep2_grouped", "tp=2+SP, dp=2, ep=2, grouped_mm"), ("tp2_whole", "tp=2+SP, shard_whole"),
            ("recompute", "tp=2+SP, recompute selective"), ("budget", "tp=2+SP, recompute budget 0.5"))
 """Result key and column title of each verify run (``LAYOUTS``: its arguments)."""
 
@@ -697,6 +698,7 @@ LAYOUTS: dict[str, dict] = {
     "ep2_grouped": dict(tp=1, sp=False, dp=2, ep=2, experts="grouped_mm"),
     # the same on 4 ranks, the experts' matrices split by their hidden dims over tp=2 too
     "tp2_ep2": dict(tp=2, sp=True, dp=2, ep=2, experts="batched_mm"),
+    "tp2_ep2_grouped": dict(tp=2, sp=True, dp=2, ep=2, experts="grouped_mm"),
     # what tp keeps whole stored in 1/tp pieces (held per rank: 1/2 wherever a dim divides)
     "tp2_whole": dict(tp=2, sp=True, shard_whole=True),
     # the partitioned forward and backward compiled by inductor (issue 24: its layouts)
@@ -705,7 +707,7 @@ LAYOUTS: dict[str, dict] = {
 }
 """Column key -> ``run_verify``'s layout arguments."""
 
-REAL_RANKS_ONLY = frozenset({"pp2", "ep2", "ep2_grouped", "tp2_ep2", "tp2_whole", "recompute", "budget"})
+REAL_RANKS_ONLY = frozenset({"pp2", "ep2", "ep2_grouped", "tp2_ep2", "tp2_ep2_grouped", "tp2_whole", "recompute", "budget"})
 """Columns that run on real gloo processes whatever ``--processes`` says: simulated ranks run
 neither torch's pipelining nor AOTAutograd (which partitions and compiles for ``recompute``)."""
 
