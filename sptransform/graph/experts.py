@@ -398,6 +398,9 @@ def find_expert_regions(gm: fx.GraphModule, params: dict[fx.Node, str], data: se
         region.state[node] = state
         where[node] = region
     for region in regions.values():
+        counts = {shape_of(g.args[0])[0] for g in region.seeds if is_grouped_mm(g)}
+        if len(counts) > 1:
+            problems.append(f"the grouped matmuls of one routing have different numbers of rows {sorted(counts)}")
         _finish(gm, region, data)
     return list(regions.values()), problems
 

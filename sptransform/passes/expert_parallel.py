@@ -127,7 +127,7 @@ def _rewrite(gm: fx.GraphModule, region: ExpertRegion, params: dict[fx.Node, str
     masks: list[fx.Node | None] = [None] * ep
     owners: list[fx.Node | None] = [None] * ep  # the expert of each row, by the first seed (checked against the others)
     masked: dict[tuple[fx.Node, int], fx.Node] = {}
-    local: dict[tuple[fx.Node, int], fx.Node] = {}  # (copy's indices, E) -> local indices: once per routing
+    local: dict[tuple, object] = {}  # (copy's indices or offsets, E[, rows]) -> local indices or rows: once each
 
     def call(target, args, value=None) -> fx.Node:
         return _with_val(graph.call_function(target, tuple(args)), value)
@@ -163,13 +163,13 @@ def _rewrite(gm: fx.GraphModule, region: ExpertRegion, params: dict[fx.Node, str
                 if node in region.seeds and is_grouped_mm(node):
                     param = region.seeds[node]
                     x, offs = node.args[0], node.args[2]
-                    rows_of, experts = source(offs, s, True), plan.experts[params[param]]
-                    if (rows_of, experts) not in local:
-                        own = local[(rows_of, experts)] = _local_offsets(rows_of, shape_of(x)[0], experts, plan,
-                                                                         params[param], call)
+                    rows_of, experts, count = source(offs, s, True), plan.experts[params[param]], shape_of(x)[0]
+                    if (rows_of, experts, count) not in local:
+                        own = local[(rows_of, experts, count)] = _local_offsets(rows_of, count, experts, plan,
+                                                                                params[param], call)
                         masks[s] = own.mask if masks[s] is None else masks[s]
                         owners[s] = _same_rows(owners[s], own.owner, call)
-                    env[s][node] = _own_rows_matmul(graph, node, source(x, s, True), local[(rows_of, experts)],
+                    env[s][node] = _own_rows_matmul(graph, node, source(x, s, True), local[(rows_of, experts, count)],
                                                     lambda a, s=s: source(a, s, True), call)
                 elif node in region.seeds:
                     param = region.seeds[node]
