@@ -16,6 +16,8 @@ import functools
 import inspect
 import operator
 import os
+import random
+import sys
 import re
 import traceback
 import types
@@ -257,7 +259,8 @@ def _capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph
         # Autograd on whatever the caller's mode (a forward under torch.no_grad() that meets a new
         # input shape captures again, and its graph is cached for training too): the traced run's
         # autograd graph is what finds custom Functions (_CustomFunctionWatch).
-        with quiet_fake_tensor_meta_failures(), torch.enable_grad(), _CustomFunctionWatch(template.module) as functions:
+        with quiet_fake_tensor_meta_failures(), torch.enable_grad(), _CustomFunctionWatch(template.module) as functions, \
+                _PythonRandomWatch() as draws:
             ep = torch.export.export(template.module, fake_args, fake_kwargs, strict=False)
     except Exception as err:  # torch raises many types here; re-raise one the user can act on
         with quiet_fake_tensor_meta_failures():
@@ -339,6 +342,7 @@ def _capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph
             "make the tensor a parameter of the model. Read:\n  " + "\n  ".join(foreign)
         )
     _refuse_custom_autograd_functions(functions)
+    _refuse_python_random(draws)
     lost_draws = 0
     if _hidden_writes(ep.graph_module):
         # In-place writes read through another alias: functionalize (no decompositions), so
@@ -650,4 +654,87 @@ def _refuse_custom_autograd_functions(watch: _CustomFunctionWatch) -> None:
             "(the parallel model would use the plain gradient of their forward instead): "
             + "; ".join(f"{name} (backward at {where})" for name, where in sorted(found.items()))
             + ". Write the forward with ordinary torch ops, or keep the function outside the model"
+        )
+
+
+_RANDOM_DRAWS = ("random", "uniform", "randint", "randrange", "choice", "choices", "shuffle", "sample", "gauss",
+                 "normalvariate", "lognormvariate", "expovariate", "vonmisesvariate", "gammavariate", "betavariate",
+                 "paretovariate", "weibullvariate", "triangular", "getrandbits", "binomialvariate")
+_NUMPY_DRAWS = ("rand", "randn", "random", "random_sample", "ranf", "sample", "uniform", "randint", "random_integers",
+                "choice", "normal", "standard_normal", "permutation", "shuffle", "binomial", "poisson", "beta",
+                "exponential", "gamma", "bytes")
+
+
+class _PythonRandomWatch:
+    """Python-level random draws during the traced forward: the ``random`` module (its functions,
+    and its global generator's own methods, which a function imported by name still calls) and
+    ``numpy.random``'s module functions. Export runs the forward once and keeps what that run
+    computed, so such a draw (a layer skipped when ``random.uniform(0, 1) < layerdrop``) is fixed in
+    the graph for every later step, and each rank traces its own. Records where the model drew."""
+
+    def __init__(self):
+        self.sites: list[str] = []
+        self._restore: list[Callable[[], None]] = []
+        self._inside = False
+
+    def _record(self, name: str) -> None:
+        if self._inside:  # (uniform calls random: one draw, one site)
+            return
+        ours = (os.path.dirname(random.__file__) + os.sep + "random.py", os.path.dirname(__file__) + os.sep,
+                os.path.dirname(inspect.getfile(torch)) + os.sep)
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:
+            ours += (os.path.dirname(inspect.getfile(numpy)) + os.sep,)
+        frames = [f for f in traceback.extract_stack() if not f.filename.startswith(ours)]
+        where = f"{frames[-1].filename}, line {frames[-1].lineno} ({(frames[-1].line or '').strip()})" if frames else "?"
+        self.sites.append(f"{name} at {where}")
+
+    def _patch(self, owner, attr: str, name: str, *, global_only: bool = False) -> None:
+        had = attr in vars(owner)
+        original = getattr(owner, attr)
+
+        @functools.wraps(original)
+        def drawing(*args, **kwargs):
+            if not global_only or (args and args[0] is getattr(random, "_inst", None)):
+                self._record(name)
+            outer, self._inside = self._inside, True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._inside = outer
+
+        setattr(owner, attr, drawing)
+        self._restore.append(lambda: setattr(owner, attr, original) if had else delattr(owner, attr))
+
+    def __enter__(self) -> "_PythonRandomWatch":
+        for attr in _RANDOM_DRAWS:
+            if hasattr(random, attr):
+                self._patch(random, attr, f"random.{attr}")
+        for attr in ("random", "getrandbits"):  # what every method of the global generator draws from
+            self._patch(random.Random, attr, f"random.{attr}", global_only=True)
+        numpy_random = sys.modules.get("numpy.random")
+        if numpy_random is not None:
+            for attr in _NUMPY_DRAWS:
+                if callable(getattr(numpy_random, attr, None)):
+                    self._patch(numpy_random, attr, f"numpy.random.{attr}")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for restore in reversed(self._restore):
+            restore()
+        self._restore.clear()
+
+
+def _refuse_python_random(watch: _PythonRandomWatch) -> None:
+    """A graph traced through a Python-level random draw keeps that one draw's outcome forever
+    (``_PythonRandomWatch``): refused, naming every site, rather than trained wrong."""
+    if watch.sites:
+        sites = list(dict.fromkeys(watch.sites))
+        raise ValueError(
+            f"the model's forward draws Python random numbers ({'; '.join(sites[:5])}"
+            + (f"; and {len(sites) - 5} more" if len(sites) > 5 else "")
+            + "): a captured graph keeps the outcome of the one traced draw and would replay it at every step "
+            "(e.g. the same layers skipped by layerdrop forever), each rank its own. Turn the randomness off "
+            "(layerdrop=0, eval()), or draw with torch inside the computation (a torch.rand mask multiplied in, "
+            "which the graph keeps as a draw per step)"
         )

@@ -175,3 +175,52 @@ def test_a_custom_autograd_function_is_refused_also_where_a_plain_fake_run_of_th
             sptransform.parallelize(_EagerGroupedMoE(custom=True), tp=2, sp=False, example_inputs=inputs)
         pm = sptransform.parallelize(_EagerGroupedMoE(custom=False), tp=2, sp=False, example_inputs=inputs)
         assert pm.held_share() < 0.75
+
+
+class _LayerDrop(nn.Module):
+    """Layers skipped at random in training, drawn in Python (``how``): the module's ``random.uniform``,
+    a name imported from ``random`` (a method of its global generator), or numpy's module function."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        import random
+        from random import uniform
+
+        import numpy as np
+
+        draw = {"random.uniform": lambda: random.uniform(0, 1), "imported uniform": lambda: uniform(0, 1),
+                "numpy": lambda: float(np.random.rand())}[self.how]
+        for layer in self.layers:
+            if self.training and draw() < 0.5:
+                continue
+            x = torch.relu(layer(x))
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("how", ["random.uniform", "imported uniform", "numpy"])
+def test_a_python_random_draw_in_the_forward_is_refused_naming_the_line_and_the_draws_are_restored(how):
+    import random
+
+    import numpy as np
+    import sptransform
+    from simulate import simulated_ranks
+
+    functions = (random.uniform, random.random, vars(random.Random).get("random"), np.random.rand)
+    x = torch.randn(2, 4, 8)
+    with simulated_ranks(2):
+        with pytest.raises(ValueError, match=r"draws Python random numbers \((random|numpy\.random)\.\w+ at "
+                                             r".*test_capture\.py, line \d+ \(.*(uniform|rand)\("):
+            sptransform.parallelize(_LayerDrop(how), tp=2, sp=False, example_inputs=(x,))
+        # in eval() nothing is drawn: the model is captured as it runs
+        pm = sptransform.parallelize(_LayerDrop(how).eval(), tp=2, sp=False, example_inputs=(x,))
+        assert pm.training is False
+    # the patched draws are the originals again, and the global generator draws as before
+    assert (random.uniform, random.random, vars(random.Random).get("random"), np.random.rand) == functions
+    random.seed(3)
+    first = random.random()
+    random.seed(3)
+    assert random.random() == first
