@@ -695,7 +695,7 @@ class _PythonRandomWatch:
 
         @functools.wraps(original)
         def drawing(*args, **kwargs):
-            if not global_only or (args and args[0] is getattr(random, "_inst", None)):
+            if not global_only or (args and args[0] is self._global):
                 self._record(name)
             outer, self._inside = self._inside, True
             try:
@@ -707,6 +707,7 @@ class _PythonRandomWatch:
         self._restore.append(lambda: setattr(owner, attr, original) if had else delattr(owner, attr))
 
     def __enter__(self) -> "_PythonRandomWatch":
+        self._global = getattr(random.random, "__self__", None)  # the generator random's functions are methods of
         for attr in _RANDOM_DRAWS:
             if hasattr(random, attr):
                 self._patch(random, attr, f"random.{attr}")
