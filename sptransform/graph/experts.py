@@ -346,7 +346,11 @@ def find_expert_regions(gm: fx.GraphModule, params: dict[fx.Node, str], data: se
         if node in where:
             x = node.args[0] if is_grouped_mm(node) else None
             if x in where and where[x] is not where[node]:
-                _merge(where[x], where[node], where, regions)
+                if where[x].rows != where[node].rows:
+                    problems.append(f"{describe(node)} mixes the outputs of two expert layers routed by different "
+                                    "indices")
+                    continue
+                _merge(where[x], where[node], where, regions)  # its rows are x's: checked alike as it runs
             if x in where and where[x].state[x] != OWNED:  # a sum over ranks is no input of one rank's experts
                 problems.append(f"{describe(node)} applies the experts to a sum over the experts' ranks ({describe(x)}); "
                                 "expert parallelism cannot split that")
