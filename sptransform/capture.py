@@ -17,8 +17,9 @@ import inspect
 import operator
 import os
 import random
-import sys
 import re
+import sys
+import threading
 import traceback
 import types
 from dataclasses import dataclass, field
@@ -695,7 +696,8 @@ class _PythonRandomWatch:
 
         @functools.wraps(original)
         def drawing(*args, **kwargs):
-            if not global_only or (args and args[0] is self._global):
+            # (another thread drawing meanwhile, a data loader's, is not the traced forward)
+            if threading.get_ident() == self._thread and (not global_only or (args and args[0] is self._global)):
                 self._record(name)
             outer, self._inside = self._inside, True
             try:
@@ -708,6 +710,7 @@ class _PythonRandomWatch:
 
     def __enter__(self) -> "_PythonRandomWatch":
         self._global = getattr(random.random, "__self__", None)  # the generator random's functions are methods of
+        self._thread = threading.get_ident()
         for attr in _RANDOM_DRAWS:
             if hasattr(random, attr):
                 self._patch(random, attr, f"random.{attr}")
