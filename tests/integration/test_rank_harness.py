@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from simulate import spawn_with_deadline
+from simulate import _PEER_LOST, spawn_with_deadline
 
 pytestmark = pytest.mark.slow
 
@@ -54,5 +54,6 @@ def test_a_bare_abort_is_reported_with_its_stack_and_run_again(tmp_path):
         spawn_with_deadline(_abort_once, 2, 120.0, str(tmp_path / "aborted"))
     message = str(caught[0].message)
     assert "rank 1: died by signal SIGABRT" in message, message
-    assert "--- rank 0: raised" in message and "Connection closed by peer" in message, message  # not its own error
+    # not its own error: gloo says the peer closed or reset the connection, whichever it saw first
+    assert "--- rank 0: raised" in message and any(lost in message for lost in _PEER_LOST), message
     assert "Fatal Python error: Aborted" in message, message  # faulthandler's dump, from the rank's stderr
