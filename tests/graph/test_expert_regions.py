@@ -126,14 +126,19 @@ def test_an_in_place_write_into_the_experts_values_from_outside_is_a_problem():
     assert len(problems) == 1 and "writes in place into a tensor of the experts' computation" in problems[0], problems
 
 
-def test_a_parameter_read_other_than_by_routing_gathers_is_not_an_expert():
-    class Mixed(RoutedMLP):
+@pytest.mark.parametrize("layer, weight", [("gathered", "up"), ("grouped", "down")])
+def test_a_parameter_read_other_than_by_routing_gathers_or_grouped_matmuls_is_not_an_expert(layer, weight):
+    if layer == "grouped":
+        pytest.importorskip("transformers.integrations.moe")
+    base = RoutedMLP if layer == "gathered" else GroupedMLP
+
+    class Mixed(base):
         def forward(self, x):
-            return super().forward(x) + self.up.sum()
+            return super().forward(x) + getattr(self, weight).sum()
 
     _, params, regions, _ = _regions(Mixed().eval())
     (region,) = regions
-    assert "up" not in {params[p] for p in region.seeds.values()}
+    assert weight not in {params[p] for p in region.seeds.values()}
 
 
 def test_rowwise_needs_the_pairs_dims_kept_first():
@@ -242,18 +247,6 @@ def test_the_tokens_are_exchanged_not_the_sorted_copies_per_chosen_expert():
     shapes = sorted(tuple(n.meta["val"].shape) for n in region.inputs)
     # the tokens [T, H], the sort's permutation and the routing weights [T * k], the counts per expert [E]
     assert (12, 8) in shapes and (12 * 2, 8) not in shapes, shapes
-
-
-def test_a_parameter_read_by_a_grouped_matmul_and_anything_else_is_not_an_expert():
-    pytest.importorskip("transformers.integrations.moe")
-
-    class Mixed(GroupedMLP):
-        def forward(self, x):
-            return super().forward(x) + self.down.sum()
-
-    _, params, regions, _ = _regions(Mixed().eval())
-    (region,) = regions
-    assert "down" not in {params[p] for p in region.seeds.values()}
 
 
 def test_a_grouped_matmul_of_some_of_the_experts_is_not_split_by_expert():
