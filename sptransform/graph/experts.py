@@ -2,13 +2,16 @@
 expert parallelism (``passes.expert_parallel``). Matching only; nothing here edits a graph.
 
 A *seed* reads an expert parameter (``E`` experts along dim 0) that nothing else reads, in one
-of two ways:
+of three ways:
 
 * a gather by routing indices, ``w[idx]`` (``aten.index.Tensor(w, [idx])``, transformers'
   ``batched_mm`` experts): its rows are the pairs of ``idx``;
 * a grouped matmul, ``grouped_mm(x [S, K], w [E, K, N], offs [E])`` (``w`` possibly a transpose
   of the parameter's last two dims; transformers' default ``grouped_mm`` experts): rows
-  ``[offs[e-1], offs[e])`` of ``x`` go through expert ``e``, so its rows are ``x``'s rows.
+  ``[offs[e-1], offs[e])`` of ``x`` go through expert ``e``, so its rows are ``x``'s rows;
+* a batched matmul over the experts, ``bmm(x [E, T, K], w [E, K, N])`` (either operand the
+  parameter, possibly through transposes or permutes that keep dim 0; Llama 4's experts, every
+  expert on every token): row ``e`` of ``x`` goes through expert ``e``.
 
 With the experts split over ``ep`` ranks, a rank computes its own experts' rows exactly and
 anything for the other rows (expert 0 of its own, say); every tensor computed from a seed is
@@ -259,8 +262,8 @@ def _index_root(node: fx.Node):
 
 def expert_seeds(gm: fx.GraphModule, params: dict[fx.Node, str]) -> dict[fx.Node, list[fx.Node]]:
     """Parameters read only by routing gathers ``index(w, [idx])`` (a 1-element index list on dim 0,
-    integer indices), or only by grouped matmuls as their weight (``grouped_weight_reads``) ->
-    those reads."""
+    integer indices), only by grouped matmuls as their weight (``grouped_weight_reads``), or only
+    by batched matmuls over their experts (``bmm_weight_reads``) -> those reads."""
     seeds = {}
     for param in params:
         value = tensor_val(param)
@@ -273,36 +276,83 @@ def expert_seeds(gm: fx.GraphModule, params: dict[fx.Node, str]) -> dict[fx.Node
                    and tensor_val(u.args[1][0]).dtype != torch.bool]
         if len(gathers) == len(param.users):
             seeds[param] = gathers
-        elif (grouped := grouped_weight_reads(param)):
-            seeds[param] = grouped
+        elif (reads := grouped_weight_reads(param) or bmm_weight_reads(param)):
+            seeds[param] = reads
     return seeds
 
 
-def grouped_weight_reads(param: fx.Node) -> list[fx.Node] | None:
-    """The grouped matmuls that read the 3-D ``param`` as their weight, directly or through
-    transposes of its last two dims (which keep the experts on dim 0), when nothing else reads it."""
+def _keeps_experts(node: fx.Node) -> bool:
+    """A transpose or permute of a 3-D tensor that keeps dim 0 (the experts) first."""
+    if node.op != "call_function" or packet(node) not in (aten.transpose, aten.permute) or _ndim(node.args[0]) != 3:
+        return False
+    dims = _dims(list(node.args[1:3]), 3) if packet(node) is aten.transpose else _dims(node.args[1], 3)
+    return 0 not in dims if packet(node) is aten.transpose else dims[0] == 0
+
+
+def _weight_reads(param: fx.Node, is_read: Callable[[fx.Node, fx.Node], bool]) -> list[fx.Node] | None:
+    """The ops ``is_read(op, node)`` that read the 3-D ``param`` as their expert weight, directly or
+    through transposes/permutes that keep its experts on dim 0, when nothing else reads it."""
     if _ndim(param) != 3:
         return None
     reads, frontier = [], [param]
     while frontier:
         node = frontier.pop()
         for user in node.users:
-            if is_grouped_mm(user) and user.args[1] is node and node not in (user.args[0], user.args[2]):
+            if is_read(user, node):
                 reads.append(user)
-            elif user.op == "call_function" and packet(user) is aten.transpose and user.args[0] is node \
-                    and 0 not in _dims(list(user.args[1:3]), 3):
+            elif _keeps_experts(user) and user.args[0] is node:
                 frontier.append(user)
             else:
                 return None
     return reads
 
 
-def _seed_rows(seed: fx.Node) -> tuple[fx.Node, int]:
+def grouped_weight_reads(param: fx.Node) -> list[fx.Node] | None:
+    """The grouped matmuls that read the 3-D ``param`` as their weight (``_weight_reads``)."""
+    return _weight_reads(param, lambda user, node: is_grouped_mm(user) and user.args[1] is node
+                         and node not in (user.args[0], user.args[2]))
+
+
+def bmm_weight_reads(param: fx.Node) -> list[fx.Node] | None:
+    """The batched matmuls ``bmm(x, w)`` or ``bmm(w, x)`` that read the 3-D ``param`` as one operand
+    (``_weight_reads``): its experts are the batch."""
+    return _weight_reads(param, lambda user, node: user.op == "call_function" and packet(user) is aten.bmm
+                         and (user.args[0] is node) != (user.args[1] is node))
+
+
+def _weight_root(node: fx.Node) -> fx.Node:
+    while _keeps_experts(node):
+        node = node.args[0]
+    return node
+
+
+def is_bmm_seed(seed: fx.Node) -> bool:
+    return seed.op == "call_function" and packet(seed) is aten.bmm
+
+
+def seed_input(seed: fx.Node, param: fx.Node) -> fx.Node | None:
+    """What a seed applies the experts to, row by row: a grouped matmul's ``x``, a batched matmul's
+    other operand (its rows along dim 0, one per expert); ``None`` for a gather."""
+    if is_grouped_mm(seed):
+        return seed.args[0]
+    if is_bmm_seed(seed):
+        a, b = seed.args[:2]
+        return b if _weight_root(a) is param else a
+    return None
+
+
+def _seed_rows(seed: fx.Node, param: fx.Node) -> tuple[fx.Node, int]:
     """What says which rows of ``seed`` go through which expert, and how many leading dims are rows."""
     if is_grouped_mm(seed):
         return seed.args[2], 1
+    if is_bmm_seed(seed):
+        return seed_input(seed, param), 1
     idx = seed.args[1][0]
     return idx, _ndim(idx) or 1
+
+
+def _kind(seed: fx.Node) -> str:
+    return "grouped" if is_grouped_mm(seed) else "bmm" if is_bmm_seed(seed) else "gather"
 
 
 def find_expert_regions(gm: fx.GraphModule, params: dict[fx.Node, str], data: set[fx.Node],
@@ -320,8 +370,8 @@ def find_expert_regions(gm: fx.GraphModule, params: dict[fx.Node, str], data: se
     where: dict[fx.Node, ExpertRegion] = {}
     for param, reads in seeds.items():
         for seed in reads:
-            idx, rows = _seed_rows(seed)
-            key = (is_grouped_mm(seed), *_index_root(idx))
+            idx, rows = _seed_rows(seed, param)
+            key = (_kind(seed), *_index_root(idx))
             region = regions.setdefault(key, ExpertRegion(seeds={}, index=idx, rows=rows))
             region.seeds[seed] = param
             region.state[seed] = OWNED
@@ -332,8 +382,8 @@ def find_expert_regions(gm: fx.GraphModule, params: dict[fx.Node, str], data: se
         if len(counts) > 1:
             problems.append(f"the expert tensors {sorted(p.name for p in region.seeds.values())} gathered by one routing "
                             f"index have different numbers of experts {sorted(counts)}")
-        dynamic = [g for g in region.seeds if data_dependent(_seed_rows(g)[0]) or data_dependent(g)
-                   or is_grouped_mm(g) and data_dependent(g.args[0])]
+        dynamic = [g for g, w in region.seeds.items() if data_dependent(_seed_rows(g, w)[0]) or data_dependent(g)
+                   or seed_input(g, w) is not None and data_dependent(seed_input(g, w))]
         if dynamic:
             problems.append(f"{describe(dynamic[0])} applies experts to rows whose number depends on the data; expert "
                             "parallelism exchanges tensors of static shapes")
@@ -344,7 +394,7 @@ def find_expert_regions(gm: fx.GraphModule, params: dict[fx.Node, str], data: se
         if node.op != "call_function":
             continue
         if node in where:
-            x = node.args[0] if is_grouped_mm(node) else None
+            x = seed_input(node, where[node].seeds[node])
             if x in where and where[x] is not where[node]:
                 if where[x].rows != where[node].rows:
                     problems.append(f"{describe(node)} mixes the outputs of two expert layers routed by different "
@@ -427,14 +477,16 @@ def _finish(gm: fx.GraphModule, region: ExpertRegion, data: set[fx.Node]) -> Non
     region.outputs = [n for n in gm.graph.nodes if n in inside and any(u not in inside for u in n.users)]
     region.masked |= {n for n in region.outputs if region.state[n] == OWNED}
     changed = True
-    while changed:  # pull in a data-only producer that no one else reads and that does not shrink its input
+    while changed:  # pull in data-only producers that no one else reads, where fewer bytes are exchanged
         changed = False
         for node in list(_outside_inputs(region, inside)):
-            if node not in data or not _pullable(node, inside, data):
+            if node not in data or node in inside:
                 continue
-            region.state[node] = PLAIN
-            inside.add(node)
-            changed = True
+            _, pulled = _exchange_cost(node, inside, data, {})
+            for other in pulled:
+                region.state[other] = PLAIN
+                inside.add(other)
+            changed |= bool(pulled)
     region.nodes = [n for n in gm.graph.nodes if n in inside]
     outside = _outside_inputs(region, inside)
     region.inputs = [n for n in outside if n in data]
@@ -475,21 +527,46 @@ def _draws(node: fx.Node) -> bool:
 
 
 def _pullable(node: fx.Node, inside: set[fx.Node], data: set[fx.Node]) -> bool:
-    """A data-only op computed from outside tensors (never from the region: what reads the region
-    outside it reads the sum over the ranks), read only by the region, whose data inputs are no
-    more bytes than it: exchanging them costs no more than exchanging it (a token copied per
-    chosen expert, ``x[perm // k]``: the tokens and the permutation are sent, not the copies)."""
+    """A deterministic, data-only op of one output that reads nothing of the region (what reads the
+    region outside it reads the sum over the ranks) and is read only by ``inside``."""
     if node.op != "call_function" or is_multi_output(node) or node.target is operator.getitem:
         return False
     if any(a in inside for a in node.all_input_nodes):
         return False
-    if _inplace(node) or _draws(node) or any(u not in inside for u in node.users):
-        return False
-    tensors = [tensor_val(a) for a in node.all_input_nodes if a in data]
+    return not (_inplace(node) or _draws(node) or any(u not in inside for u in node.users))
+
+
+def _nbytes(node: fx.Node) -> int | None:
     value = tensor_val(node)
-    if not tensors or value is None or any(t is None for t in tensors):
-        return False
-    return sum(t.numel() * t.element_size() for t in tensors) <= value.numel() * value.element_size()
+    return None if value is None else value.numel() * value.element_size()
+
+
+def _exchange_cost(node: fx.Node, inside: set[fx.Node], data: set[fx.Node],
+                   seen: dict[fx.Node, tuple[int | None, frozenset[fx.Node]]]) -> tuple[int | None, frozenset[fx.Node]]:
+    """The fewest bytes the region needs exchanged to have ``node`` (a data input), and the producers
+    to pull in for that: ``node`` itself is exchanged, or it is computed in the region from its own
+    data inputs, each at its own fewest bytes, when that is no more (a token copied per expert and
+    scaled by its routing weight, ``mul(repeat(x, E), w)``: ``x`` and ``w`` are sent, not the copies)."""
+    if node in seen:
+        return seen[node]
+    own = _nbytes(node)
+    seen[node] = (own, frozenset())
+    if own is None or not _pullable(node, inside, data):
+        return seen[node]
+    inputs = [a for a in node.all_input_nodes if a in data]
+    if not inputs:
+        return seen[node]
+    below = inside | {node}
+    total, pulled = 0, {node}
+    for a in inputs:
+        cost, more = _exchange_cost(a, below, data, {})
+        if cost is None:
+            return seen[node]
+        total += cost
+        pulled |= more
+    if total <= own:
+        seen[node] = (total, frozenset(pulled))
+    return seen[node]
 
 
 def data_nodes(gm: fx.GraphModule, user_inputs) -> set[fx.Node]:

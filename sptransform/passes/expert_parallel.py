@@ -34,6 +34,14 @@ uninitialised):
              y_s = index(where(k, grouped_mm(t, w_local, offs_s[lo:hi] - a), 0), [(r - a) % S])
              m_s = (r >= a) & (r < b)                           # the rows it owns
 
+A batched matmul over the experts, ``bmm(x [E, T, K], w [E, K, N])`` (every expert on every
+token, Llama 4's experts), runs this rank's experts' rows of ``x`` by its local experts; the
+result keeps its shape, the other rows zero (masked like any owned rows after):
+
+    before:  y = bmm(x, w)                                      # x [E, T, K] from the tokens
+    after:   y_s = constant_pad_nd(bmm(slice(x_s, 0, lo, hi), w_local), [0, 0, 0, 0, lo, E - hi])
+             m_s = (arange(E) >= lo) & (arange(E) < hi)
+
 Forward, a rank sends its data inputs to the other ``ep - 1`` ranks and receives theirs, and
 reduce-scatters ``ep`` outputs; backward, the conjugates (``gather_seq``/``scatter_seq``) send
 the gradients back the same way. The expert parameters' gradients are then this rank's
@@ -48,7 +56,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from sptransform.graph.experts import OWNED, SHAPE_ONLY, ExpertRegion, region_args
+from sptransform.graph.experts import OWNED, SHAPE_ONLY, ExpertRegion, is_bmm_seed, region_args, seed_input
 from sptransform.graph.nodes import is_grouped_mm, packet, shape_of, tensor_val
 from sptransform.runtime.collectives import copy_to_tp, gather_seq, reduce_from_tp, scatter_seq
 from sptransform.runtime.ops import take_local
@@ -170,6 +178,16 @@ def _rewrite(gm: fx.GraphModule, region: ExpertRegion, params: dict[fx.Node, str
                         masks[s] = own.mask if masks[s] is None else masks[s]
                         owners[s] = _same_rows(owners[s], own.owner, call)
                     env[s][node] = _own_rows_matmul(graph, node, source(x, s, True), local[(rows_of, experts, count)],
+                                                    lambda a, s=s: source(a, s, True), call)
+                elif node in region.seeds and is_bmm_seed(node):
+                    param = region.seeds[node]
+                    experts, x = plan.experts[params[param]], seed_input(node, param)
+                    if ("bmm", experts) not in local:
+                        local[("bmm", experts)] = _expert_rows(experts, x, plan, call)
+                    mask, owner = local[("bmm", experts)]
+                    masks[s] = mask if masks[s] is None else masks[s]
+                    owners[s] = _same_rows(owners[s], owner, call)
+                    env[s][node] = _own_experts_bmm(graph, node, x, source(x, s, True), experts, plan,
                                                     lambda a, s=s: source(a, s, True), call)
                 elif node in region.seeds:
                     param = region.seeds[node]
@@ -293,6 +311,36 @@ def _own_rows_matmul(graph: fx.Graph, node: fx.Node, x: fx.Node, own: _OwnRows, 
     copy = graph.node_copy(node, lambda a: mine if a is node.args[0] else own.offsets if a is node.args[2] else args(a))
     copy.meta = dict(node.meta)
     return rows(zero_others(copy), own.back)
+
+
+def _expert_rows(experts: int, x: fx.Node, plan: ExpertParallelPlan, call) -> tuple[fx.Node, fx.Node]:
+    """For a batched matmul over the experts (row ``e`` through expert ``e``): the mask of this
+    rank's rows ``[lo, hi)`` and each row's expert."""
+    per_rank = experts // plan.size
+    lo = plan.rank * per_rank
+    value = tensor_val(x)
+    owner = call(aten.arange.start_step, (0, experts), _fake(lambda v: torch.arange(experts, device=v.device), value))
+    owner.kwargs = {"dtype": torch.int64, "device": value.device if value is not None else None}
+    flags = _fake(lambda v: v >= 0, tensor_val(owner))
+    mask = call(aten.logical_and.default, (call(aten.ge.Scalar, (owner, lo), flags),
+                                           call(aten.lt.Scalar, (owner, lo + per_rank), flags)), flags)
+    return mask, owner
+
+
+def _own_experts_bmm(graph: fx.Graph, node: fx.Node, x: fx.Node, mine: fx.Node, experts: int,
+                     plan: ExpertParallelPlan, args, call) -> fx.Node:
+    """``node`` (``bmm`` over the experts, ``x`` its rows) on this rank's experts' rows ``[lo, hi)``
+    of ``mine`` only, by the local experts; the other rows of the result zero (the same shape)."""
+    per_rank = experts // plan.size
+    lo = plan.rank * per_rank
+    hi = lo + per_rank
+    value = tensor_val(node)
+    sliced = call(aten.slice.Tensor, (mine, 0, lo, hi), _fake(lambda v: v[lo:hi], tensor_val(mine)))
+    copy = graph.node_copy(node, lambda a: sliced if a is x else args(a))
+    copy.meta = dict(node.meta)
+    if value is not None:
+        copy.meta["val"] = _fake(lambda v: v[lo:hi], value)
+    return call(aten.constant_pad_nd.default, (copy, [0, 0, 0, 0, lo, experts - hi], 0.0), value)
 
 
 def _local_indices(idx: fx.Node, experts: int, plan: ExpertParallelPlan, name: str,

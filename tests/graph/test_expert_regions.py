@@ -126,11 +126,11 @@ def test_an_in_place_write_into_the_experts_values_from_outside_is_a_problem():
     assert len(problems) == 1 and "writes in place into a tensor of the experts' computation" in problems[0], problems
 
 
-@pytest.mark.parametrize("layer, weight", [("gathered", "up"), ("grouped", "down")])
+@pytest.mark.parametrize("layer, weight", [("gathered", "up"), ("grouped", "down"), ("dense", "down")])
 def test_a_parameter_read_other_than_by_routing_gathers_or_grouped_matmuls_is_not_an_expert(layer, weight):
     if layer == "grouped":
         pytest.importorskip("transformers.integrations.moe")
-    base = RoutedMLP if layer == "gathered" else GroupedMLP
+    base = {"gathered": RoutedMLP, "grouped": GroupedMLP, "dense": DenseMLP}[layer]
 
     class Mixed(base):
         def forward(self, x):
@@ -259,4 +259,50 @@ def test_a_grouped_matmul_of_some_of_the_experts_is_not_split_by_expert():
             return torch.ops.transformers.grouped_mm_fallback(h, self.down.transpose(-2, -1)[:2], offs).sum()
 
     _, _, regions, problems = _regions(Halved(bias=False).eval())
+    assert regions == [] and problems == []
+
+
+class DenseMLP(nn.Module):
+    """Every expert on every token, as Llama 4 writes it: the tokens repeated per expert and scaled
+    by a dense routing matrix (zero for experts not chosen), ``[E, T, H]`` through ``bmm``."""
+
+    def __init__(self, experts=4, hidden=8, inner=16, k=2):
+        super().__init__()
+        self.k, self.hidden, self.experts = k, hidden, experts
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.gate_up = nn.Parameter(torch.randn(experts, hidden, 2 * inner) / hidden ** 0.5)
+        self.down = nn.Parameter(torch.randn(experts, inner, hidden) / inner ** 0.5)
+
+    def forward(self, x):
+        h = x.reshape(-1, self.hidden)
+        logits = self.router(h)
+        top, idx = torch.topk(logits, self.k, dim=1)
+        scores = torch.sigmoid(torch.full_like(logits, float("-inf")).scatter(1, idx, top))
+        routed = h.repeat(self.experts, 1) * scores.transpose(0, 1).reshape(-1, 1)
+        gate, up = torch.bmm(routed.view(self.experts, -1, self.hidden), self.gate_up).chunk(2, dim=-1)
+        y = torch.bmm(up * F.silu(gate), self.down).view(-1, self.hidden)
+        return x + y.reshape(self.experts, -1, self.hidden).sum(0).view_as(x)
+
+
+def test_every_expert_on_every_token_is_one_region_whose_tokens_are_exchanged_not_their_copies():
+    gm, params, regions, problems = _regions(DenseMLP().eval())
+    assert problems == []
+    (region,) = regions  # the two batched matmuls: the second reads the first's rows
+    assert sorted(params[p] for p in region.seeds.values()) == ["down", "gate_up"]
+    assert all(region.state[n] == OWNED for n in region.seeds)
+    (output,) = region.outputs  # the sum over the experts, read by the residual add
+    assert region.state[output] == PARTIAL and [u.target for u in output.users] == [aten.add.Tensor]
+    (repeat,) = _by_target(gm.graph.nodes, aten.repeat.default)
+    assert region.state[repeat] == PLAIN  # computed on each rank from the tokens it receives
+    shapes = sorted(tuple(n.meta["val"].shape) for n in region.inputs)
+    assert shapes == [(12, 4), (12, 8)], shapes  # the routing scores [T, E] and the tokens [T, H]
+
+
+def test_a_batched_matmul_of_some_of_the_experts_is_not_split_by_expert():
+    class Halved(DenseMLP):
+        def forward(self, x):
+            h = x.reshape(-1, self.hidden).expand(2, -1, -1)
+            return torch.bmm(h, self.gate_up[:2]).sum()
+
+    _, _, regions, problems = _regions(Halved().eval())
     assert regions == [] and problems == []

@@ -196,7 +196,8 @@ def _refusals() -> None:
     import sptransform
 
     ids = torch.randint(0, 128, (PER_RANK, SEQ))
-    # every expert on every token (no routing gather, no grouped matmul): nothing for ep to split
+    # every expert on every token by an einsum (no routing gather, grouped or batched matmul): nothing
+    # for ep to split
     with pytest.raises(ValueError, match="no expert weights gathered by routing indices"):
         sptransform.parallelize(_Mismatched(dense=True), tp=1, dp=2, ep=2, example_inputs=(ids,))
     # a grouped matmul whose offsets do not count the ids its biases are gathered by: both ranks stop

@@ -1,7 +1,8 @@
 """A small causal LM with routed experts written several ways (not transformers' code), for the
 property test of expert parallelism: how the router scores, how the experts are stored and
 applied (gathered per token-expert pair, ``w[idx]``, or the pairs sorted by expert through a
-grouped matmul), where the routing weight is applied and how the pairs are summed back to tokens all vary, so that the region analysis meets shapes of
+grouped matmul, or every expert on every token by a
+batched matmul over the experts), where the routing weight is applied and how the pairs are summed back to tokens all vary, so that the region analysis meets shapes of
 MoE code it was not written against."""
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ class RoutedConfig:
     dispatch: str = "gather"
     """``gather``: each pair gathers its expert's weights (``w[idx]``) for a ``bmm``; ``grouped``: the
     pairs sorted by expert, each projection one grouped matmul (transformers' op; offsets from a
-    histogram of the sorted ids), biases gathered by the sorted ids, the pairs put back in order."""
+    histogram of the sorted ids), biases gathered by the sorted ids, the pairs put back in order;
+    ``dense``: every expert on every token (as Llama 4), ``[E, T, H]`` through a ``bmm`` over the
+    experts, the routing weights a dense ``[T, E]`` matrix with zeros for experts not chosen."""
 
 
 class RoutedMLP(nn.Module):
@@ -94,10 +97,35 @@ class RoutedMLP(nn.Module):
         a = F.silu(a[:, :c.inner]) * a[:, c.inner:] if c.gated else F.gelu(a)
         return self._linear(self.down, self.down_bias, flat, a)
 
+    def _dense(self, h, weights, idx):
+        c = self.c
+        dense = torch.zeros(h.shape[0], c.experts, dtype=h.dtype, device=h.device).scatter(1, idx, weights)
+
+        def linear(weight, bias, x):  # x [E, T, in]
+            y = torch.bmm(weight, x.transpose(1, 2)).transpose(1, 2) if c.layout == "out_in" else torch.bmm(x, weight)
+            return y + bias.unsqueeze(1) if bias is not None else y
+
+        x = h.unsqueeze(0).expand(c.experts, -1, -1)
+        if c.weights_before:
+            x = x * dense.t().unsqueeze(-1)
+        a = linear(self.up, self.up_bias, x)
+        a = F.silu(a[..., :c.inner]) * a[..., c.inner:] if c.gated else F.gelu(a)
+        y = linear(self.down, self.down_bias, a)
+        if c.weights_before:
+            return y.sum(0)
+        if c.combine == "einsum":
+            return torch.einsum("eth,te->th", y, dense)
+        return (y * dense.t().unsqueeze(-1)).sum(0)
+
     def forward(self, x):
         c = self.c
         h = x.reshape(-1, c.hidden)
         weights, idx = self._route(h)
+        if c.dispatch == "dense":
+            out = self._dense(h, weights, idx)
+            if self.shared is not None:
+                out = out + self.shared(h)
+            return out.view_as(x)
         flat, pair_w = idx.reshape(-1), weights.reshape(-1, 1)
         pairs = h.repeat_interleave(c.top_k, 0)
         if c.weights_before:
