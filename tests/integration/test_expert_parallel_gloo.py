@@ -1,5 +1,6 @@
 """Expert parallelism (``ep``) on real gloo ranks: transformers' MoE families (experts as
-``batched_mm``, and as their default ``grouped_mm``), each data-parallel rank training on its own batch, the routed experts split
+``batched_mm``, as their default ``grouped_mm``, and Llama 4's own every expert on every token
+by a ``bmm`` over the experts), each data-parallel rank training on its own batch, the routed experts split
 over groups of ``ep`` ranks (tokens exchanged by all-gather, outputs by reduce-scatter), train
 like the original on the whole batch: the loss, every gradient (after ``clip_grad_norm_``, which
 runs on the DTensor gradients of one mesh) and the parameters after AdamW steps, in float64
@@ -10,7 +11,7 @@ Each rank stores ``E/ep`` of every expert tensor (``Shard(0)`` on the ``ep`` axi
 rest is split over all ``dp`` ranks too. The bytes a rank sends per forward in the exchange,
 read from the graph, are checked against the formula for the token states: tokens of the group x
 hidden x bytes x (ep - 1) / ep in each direction, plus the routing indices and weights sent
-with them. ``python -m pytest -s`` prints what the README quotes."""
+with them (Llama 4: each token's dense routing scores, one per expert). ``python -m pytest -s`` prints what the README quotes."""
 
 from __future__ import annotations
 
@@ -54,12 +55,16 @@ CASES = [  # (family, layers, zero, recompute[, sp[, experts]]; "torch.compile":
     ("mixtral", 1, 0, "torch.compile", True, "grouped_mm"),
     # ... and gpt_oss's biases gathered by the sorted ids beside it (one region, checked to route alike)
     ("gpt_oss", 1, 1, "selective", True, "grouped_mm"),
+    # Llama 4's own experts: every expert on every token, [E, T, H] through a bmm over the experts
+    ("llama4_text", 1, 1, "none", True, "own"),
 ]
 
 
 def _model(family: str, layers: int, experts: str = "batched_mm"):
     classes = {entry["model_type"]: entry["class"] for entry in sweep.families([family])}
     model, _, _ = sweep.build(family, classes[family], sweep.Target(layers=layers))
+    if experts == "own":  # experts written in the model's own code (no experts_implementation)
+        return model.double()
     assert model.config._experts_implementation == "grouped_mm", model.config._experts_implementation
     if experts == "grouped_mm":  # transformers' default, float32 (torch's grouped matmul has no float64 kernel)
         return model
@@ -90,11 +95,12 @@ def _train_and_compare(family: str, layers: int, zero: int, recompute: str, sp: 
     from torch.distributed.tensor import DTensor, Shard
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    experts_kind = experts
     dp, replica = world // tp, dist.get_rank() // tp  # a data-parallel replica's tp ranks share its batch
     model = _model(family, layers, experts)
     ref = copy.deepcopy(model)
     # (rtol, atol) of the loss, the gradients and the parameters: float64's, or float32's
-    tols = ((1e-6, 1e-6), (1e-5, 1e-7), (1e-5, 1e-6)) if experts == "batched_mm" else \
+    tols = ((1e-6, 1e-6), (1e-5, 1e-7), (1e-5, 1e-6)) if experts in ("batched_mm", "own") else \
         ((1e-5, 1e-6), (1e-4, 1e-5), (1e-4, 1e-5))
     torch.manual_seed(1)
     data = [torch.randint(0, 128, (PER_RANK * dp, SEQ)) for _ in range(STEPS)]
@@ -156,10 +162,16 @@ def _train_and_compare(family: str, layers: int, zero: int, recompute: str, sp: 
     tokens = PER_RANK * SEQ * ep  # the tokens of the ep group
     element = next(ref.parameters()).element_size()
     formula = moe_layers * tokens * config.hidden_size * element * (ep - 1) // ep
+    count = next(getattr(config, a) for a in ("num_local_experts", "n_routed_experts", "num_experts") if hasattr(config, a))
+    routed = moe_layers * tokens * config.num_experts_per_tok * (ep - 1) // ep
+    # the routing sent with the tokens: at most 32 bytes a token-expert pair (batched_mm: its int64
+    # index and its weight; grouped_mm: the int64 sort permutation and its inverse, the weight, and
+    # the sorted ids where biases are gathered by them) and grouped_mm's counts per expert; every
+    # expert on every token (Llama 4): each token's score for every expert
+    routing = moe_layers * tokens * (ep - 1) // ep * count * element if experts_kind == "own" else \
+        32 * routed + moe_layers * 8 * count
     return dict(held=held, whole=whole, experts=len(experts), moe_layers=moe_layers, worst=worst, zero=zero,
-                element=element, routed=moe_layers * tokens * config.num_experts_per_tok * (ep - 1) // ep,
-                counts=moe_layers * 8 * next(getattr(config, a) for a in ("num_local_experts", "n_routed_experts",
-                                                                         "num_experts") if hasattr(config, a)),
+                element=element, routing=routing,
                 gather=sent["gather"], scatter=sent["scatter"], formula=formula, top_k=config.num_experts_per_tok,
                 hidden=config.hidden_size,
                 splits=sorted(plan.experts))
@@ -267,11 +279,9 @@ def _report(results: dict, ep: int) -> None:
 def _check_bytes(results: dict) -> None:
     for (family, _), r in results.items():
         # the reduce-scatter sends exactly the formula's hidden states; the all-gather sends those
-        # plus each sent token-expert pair's routing, at most 32 bytes a pair (batched_mm: its int64
-        # index and its weight; grouped_mm: the int64 sort permutation and its inverse, the weight,
-        # and the sorted ids where biases are gathered by them), and grouped_mm's counts per expert
+        # plus the routing of the tokens sent (``_train_and_compare``'s bound)
         assert r["scatter"] == r["formula"], (family, r)
-        assert r["formula"] < r["gather"] <= r["formula"] + 32 * r["routed"] + r["counts"], (family, r)
+        assert r["formula"] < r["gather"] <= r["formula"] + r["routing"], (family, r)
 
 
 def test_moe_families_split_their_experts_over_ranks_and_train_like_the_originals_on_gloo():
