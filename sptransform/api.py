@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import datetime
 
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ import inspect
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -27,7 +29,7 @@ from sptransform.runtime.module import ONE_STAGE_SCHEDULES, ParallelModule, Step
 from sptransform.pipeline.plan import first_microbatch
 from sptransform.runtime.checks import check_call
 from sptransform.runtime.params import call_defaults, device_of, held_share
-from sptransform.runtime.rendezvous import rendezvous, rendezvous_groups
+from sptransform.runtime.rendezvous import agree_on_graph, rendezvous, rendezvous_groups
 from sptransform.runtime.rng import RankGenerators
 from sptransform.torch_internals import local_tensor_mode, set_group_timeout, maybe_disable_local_tensor_mode, pytree
 from sptransform.transform import GraphFactory
@@ -162,7 +164,8 @@ def parallelize(
     materialize_meta_buffers(model, device)  # a meta-built model's rotary tables and masks (runtime.meta)
     args, kwargs = normalize_example_inputs(model, example_inputs, tp)
     check_example_inputs(model, args, kwargs)
-    rendezvous(rendezvous_groups(mesh), {
+    groups = rendezvous_groups(mesh)
+    rendezvous(groups, {
         "options": (options, pipeline),
         "models": [(name, tuple(t.shape), str(t.dtype)) for name, t in
                    [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]],
@@ -176,6 +179,9 @@ def parallelize(
     # replaces (passes.token_weighting): pipelines average the replicas' gradients (README).
     graph_options = options if meshes.pipeline is None else dataclasses.replace(options, dp_loss="replicas")
     factory = _factory(model, graph_options, meshes.tp, device, meshes.dp_group, meshes.experts)
+    if groups:  # every rank's first graph compared before the module built on it runs any collective
+        ranks = list(range(dist.get_world_size())) if mesh is None else mesh.mesh.flatten().tolist()
+        factory.check_first = functools.partial(agree_on_graph, groups, ranks, device=device)
     common = dict(factory=factory, options=options, param_mesh=meshes.param)
     if meshes.pipeline is not None:
         module = PipelinedModule(model, pipeline=pipeline, mesh=meshes.pipeline, example_args=args,

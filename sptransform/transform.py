@@ -54,6 +54,7 @@ from sptransform.logs import logger
 from sptransform.graph.analysis import analyze, constant_nodes, parameter_placements
 from sptransform.graph.findings import ModelAnalysis
 from sptransform.graph.lookups import constant_lookup_problems
+from sptransform.graph.fingerprint import GraphFingerprint, fingerprint
 from sptransform.graph.gradients import GradientPlan, gradient_plan
 from sptransform.graph.nodes import data_dependent, describe, shape_of
 from sptransform.graph.placement import DimShard
@@ -419,18 +420,24 @@ PASSES: list[Pass] = [
 def build_parallel_graph(
     template: FakeTemplate, args: tuple, kwargs: dict, options: ParallelOptions, group: str | None, generators: RankGenerators,
     dp_group: str | None = None, device_type: str = "cpu", entry: Entry | None = None,
-    experts: ExpertGroups | None = None,
+    experts: ExpertGroups | None = None, on_capture: Callable[[GraphFingerprint], None] | None = None,
 ) -> ParallelGraph:
     """Capture, then ``PASSES`` in order. ``dp_group``: the data-parallel process group's name
     (``options.dp > 1``); ``device_type``: where the graph runs (whether its gradient buckets
     stay in flight, ``ParallelOptions.overlaps_buckets``). At tp=1 the captured graph runs as
     is, data parallelism aside: no analysis, no plan. ``entry``: capture another forward of the
-    module (``capture.Entry``), with its own ``sp``."""
+    module (``capture.Entry``), with its own ``sp``. ``on_capture``: called with the captured graph's
+    fingerprint before any pass runs (the ranks compare theirs there, before a pass may refuse on
+    some rank only)."""
     start = time.perf_counter()
     if entry is not None and entry.sp is not None:
         options = replace(options, sp=entry.sp)
     with maybe_disable_local_tensor_mode():  # tracing sees one rank, never simulated ones
         captured = capture(template, args, kwargs, entry)
+        captured_fingerprint = fingerprint(captured.gm)
+    if on_capture is not None:
+        on_capture(captured_fingerprint)
+    with maybe_disable_local_tensor_mode():
         # evaluated as plain tensors of one rank, too
         problems = constant_lookup_problems(captured.gm, dict(zip(captured.state_placeholders, captured.state_names)))
     captured_s = time.perf_counter() - start
@@ -455,6 +462,7 @@ def build_parallel_graph(
     graph = ParallelGraph(captured, build.analysis, build.plan, _single_device_analysis=build.single_device_analysis)
     graph.data_parallel = build.data_parallel
     graph.expert_parallel = build.expert_parallel
+    graph.fingerprint = captured_fingerprint
     log.info("transformed for tp=%d sp=%s dp=%d: %s; collectives per step: %s; in %.1f s", options.tp, options.sp,
              options.dp, _linears_split(build.plan), _collectives(captured.gm) or "none",
              time.perf_counter() - start - captured_s)
@@ -639,6 +647,9 @@ class GraphFactory:
     """The data-parallel process group's name (``options.dp > 1``)."""
     experts: ExpertGroups | None = None
     """The expert-parallel groups (``options.ep > 1``)."""
+    check_first: Callable[[GraphFingerprint], None] | None = None
+    """Called with the first graph's fingerprint as captured, before any pass runs on it:
+    ``parallelize`` compares it across the ranks (``runtime.rendezvous.agree_on_graph``)."""
     _split_experts: frozenset[str] | None = None
     """The expert parameters the first graph split (stored split by the module): every later graph
     must split the same ones, or it would read a rank's experts as all of them."""
@@ -653,8 +664,9 @@ class GraphFactory:
         if dtypes is not None:
             with maybe_disable_local_tensor_mode():  # fake tensors of one rank, never simulated ones
                 self.template.retype(dtypes)
+        check, self.check_first = self.check_first, None  # the first build only
         graph = build_parallel_graph(self.template, args, kwargs, self.options, self.group, self.generators,
-                                     self.dp_group, self.device.type, entry, self.experts)
+                                     self.dp_group, self.device.type, entry, self.experts, on_capture=check)
         if self.experts is not None:
             split = graph.data_parallel.experts
             if self._split_experts is None:

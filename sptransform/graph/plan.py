@@ -58,6 +58,9 @@ class ParallelGraph:
     the data-parallel ranks."""
     expert_parallel: object = None
     """``passes.expert_parallel.ExpertParallelPlan`` when ``ep > 1``: which experts this rank holds."""
+    fingerprint: object = None
+    """``graph.fingerprint.GraphFingerprint`` of the graph as captured (before the passes): the
+    ranks of a job compare theirs at ``parallelize`` (``runtime.rendezvous.agree_on_graph``)."""
     _single_device_analysis: ModelAnalysis | None = field(default=None, repr=False, compare=False)
 
     @property

@@ -141,6 +141,19 @@ def _cross_rank_checks(rank: int, world: int, port: int) -> None:
         # parallelize with different options on the two ranks: both told, by name
         _raises(lambda: sptransform.parallelize(_llama(), tp=2, sp=rank == 0, example_inputs=batch), ValueError,
                 "the ranks called parallelize with different options")
+        # the same parameters and options, but a config read per rank (another activation on rank 1): the
+        # graphs differ, which neither the options nor the parameters show; both told, each naming its node
+        model = _llama()
+        model.config.hidden_act = "silu" if rank == 0 else "gelu_pytorch_tanh"
+        for layer in model.model.layers:
+            layer.mlp.act_fn = transformers.activations.ACT2FN[model.config.hidden_act]
+        message = _raises(lambda: sptransform.parallelize(model, tp=2, example_inputs=batch), ValueError,
+                          "the ranks captured different graphs from the model: ranks [0] vs [1]",
+                          f"This rank's ({rank}) graph first differs from rank {1 - rank}'s at node")
+        assert ("aten.silu" if rank == 0 else "aten.gelu") in message, message
+        # a forward that reads the rank (tp=2 with sp=False would run rank 1's scaled half silently)
+        _raises(lambda: sptransform.parallelize(_RankScaled(), tp=2, sp=False, example_inputs=(torch.randn(4, 16),)),
+                ValueError, "the ranks captured different graphs", "h = h * 2" if rank == 1 else "torch.relu(h)")
         _pipeline_modes(rank, world)
         _unloaded_meta_parameters(rank, world)
         dist.barrier()
@@ -233,6 +246,18 @@ def _unloaded_meta_parameters(rank: int, world: int) -> None:
         meta = _llama(layers=2, dropout=0.0)
     piped = sptransform.parallelize(meta, tp=1, pp=2, n_microbatches=2, example_inputs=batch)
     _raises(lambda: piped.step(**batch), ValueError, "never given values")
+
+
+class _RankScaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = self.up(x)
+        if dist.get_rank() == 1:  # a rank-dependent forward: rank 1 traces one more op
+            h = h * 2
+        return self.down(torch.relu(h)).sum()
 
 
 def test_ranks_are_checked_against_each_other_and_a_pipeline_follows_train_and_eval():
