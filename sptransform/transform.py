@@ -357,9 +357,10 @@ def _split_experts(gm: fx.GraphModule, build: Build) -> PassResult:
     if not regions and not problems:
         problems.append(
             "no expert weights gathered by routing indices (w[idx], transformers' experts_implementation="
-            "'batched_mm'), read by a grouped matmul with offsets (its default 'grouped_mm') or by a batched matmul "
-            "over the experts (bmm(x [E, T, K], w [E, K, N]), every expert on every token) were found; experts "
-            "applied another way (a loop over experts, an einsum) are not split by ep yet: use ep=1 "
+            "'batched_mm'), read by a grouped matmul with offsets (its default 'grouped_mm') or by a matmul batched "
+            "over the experts (bmm(x [E, T, K], w [E, K, N]), or an einsum 'etk,ekn->etn': every expert on every "
+            "token) were found; experts applied another way (a loop over experts, an einsum that sums over them) are "
+            "not split by ep yet: use ep=1 "
             "(tp splits experts read by grouped_mm or bmm by their hidden dims)")
     if problems:
         raise ValueError(f"ep={ep} cannot split the experts of this model: " + "\n  ".join(problems))

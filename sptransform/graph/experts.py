@@ -9,9 +9,10 @@ of three ways:
 * a grouped matmul, ``grouped_mm(x [S, K], w [E, K, N], offs [E])`` (``w`` possibly a transpose
   of the parameter's last two dims; transformers' default ``grouped_mm`` experts): rows
   ``[offs[e-1], offs[e])`` of ``x`` go through expert ``e``, so its rows are ``x``'s rows;
-* a batched matmul over the experts, ``bmm(x [E, T, K], w [E, K, N])`` (either operand the
-  parameter, possibly through transposes or permutes that keep dim 0; Llama 4's experts, every
-  expert on every token): row ``e`` of ``x`` goes through expert ``e``.
+* a matmul batched over the experts, ``bmm(x [E, T, K], w [E, K, N])`` (or a ``matmul`` of two
+  3-D tensors, or an ``einsum("etk,ekn->etn", x, w)`` whose operands and output lead with its
+  batch letter; either operand the parameter, possibly through transposes or permutes that keep
+  dim 0; Llama 4's experts, every expert on every token): row ``e`` of ``x`` goes through expert ``e``.
 
 With the experts split over ``ep`` ranks, a rank computes its own experts' rows exactly and
 anything for the other rows (expert 0 of its own, say); every tensor computed from a seed is
@@ -314,10 +315,43 @@ def grouped_weight_reads(param: fx.Node) -> list[fx.Node] | None:
 
 
 def bmm_weight_reads(param: fx.Node) -> list[fx.Node] | None:
-    """The batched matmuls ``bmm(x, w)`` or ``bmm(w, x)`` that read the 3-D ``param`` as one operand
-    (``_weight_reads``): its experts are the batch."""
-    return _weight_reads(param, lambda user, node: user.op == "call_function" and packet(user) is aten.bmm
-                         and (user.args[0] is node) != (user.args[1] is node))
+    """The batched matmuls over the experts that read the 3-D ``param`` as one of their two
+    operands (``_weight_reads``, ``is_batched_over_experts``): its experts are the batch."""
+    return _weight_reads(param, lambda user, node: is_batched_over_experts(user)
+                         and (_operands(user)[0] is node) != (_operands(user)[1] is node))
+
+
+def _einsum_batch(node: fx.Node) -> bool:
+    """``einsum("e..,e..->e..", a, b)``: two operands and the output all lead with one letter that
+    appears nowhere else in them (each output row ``e`` from rows ``e`` of the operands alone)."""
+    equation, operands = node.args[0], node.args[1]
+    if not isinstance(equation, str) or len(operands) != 2 or "..." in equation or "->" not in equation:
+        return False
+    inputs, output = equation.replace(" ", "").split("->")
+    terms = inputs.split(",")
+    if len(terms) != 2 or not all(terms) or not output:
+        return False
+    letter = output[0]
+    return all(t[0] == letter and t.count(letter) == 1 for t in terms) and output.count(letter) == 1
+
+
+def is_batched_over_experts(node: fx.Node) -> bool:
+    """A matmul batched along dim 0 of two operands: ``bmm``, a ``matmul`` of two 3-D tensors, or
+    an ``einsum`` whose operands and output lead with its one batch letter (``_einsum_batch``)."""
+    if node.op != "call_function" or not isinstance(node.target, OpOverload):
+        return False
+    op = packet(node)
+    if op is aten.bmm:
+        return True
+    if op is aten.matmul:
+        return _ndim(node.args[0]) == 3 and _ndim(node.args[1]) == 3
+    if op is aten.einsum and _einsum_batch(node):
+        return all(isinstance(a, fx.Node) for a in node.args[1])
+    return False
+
+
+def _operands(seed: fx.Node) -> tuple[fx.Node, fx.Node]:
+    return tuple(seed.args[1]) if packet(seed) is aten.einsum else tuple(seed.args[:2])
 
 
 def _weight_root(node: fx.Node) -> fx.Node:
@@ -327,7 +361,9 @@ def _weight_root(node: fx.Node) -> fx.Node:
 
 
 def is_bmm_seed(seed: fx.Node) -> bool:
-    return seed.op == "call_function" and packet(seed) is aten.bmm
+    """A seed that is a matmul batched over the experts (``is_batched_over_experts``); its rows are
+    its other operand's dim 0."""
+    return is_batched_over_experts(seed)
 
 
 def seed_input(seed: fx.Node, param: fx.Node) -> fx.Node | None:
@@ -336,7 +372,7 @@ def seed_input(seed: fx.Node, param: fx.Node) -> fx.Node | None:
     if is_grouped_mm(seed):
         return seed.args[0]
     if is_bmm_seed(seed):
-        a, b = seed.args[:2]
+        a, b = _operands(seed)
         return b if _weight_root(a) is param else a
     return None
 

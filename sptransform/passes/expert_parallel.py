@@ -34,8 +34,8 @@ uninitialised):
              y_s = index(where(k, grouped_mm(t, w_local, offs_s[lo:hi] - a), 0), [(r - a) % S])
              m_s = (r >= a) & (r < b)                           # the rows it owns
 
-A batched matmul over the experts, ``bmm(x [E, T, K], w [E, K, N])`` (every expert on every
-token, Llama 4's experts), runs this rank's experts' rows of ``x`` by its local experts; the
+A matmul batched over the experts, ``bmm(x [E, T, K], w [E, K, N])`` (or its ``matmul`` or
+``einsum("etk,ekn->etn")``; every expert on every token, Llama 4's experts), runs this rank's experts' rows of ``x`` by its local experts; the
 result keeps its shape, the other rows zero (masked like any owned rows after):
 
     before:  y = bmm(x, w)                                      # x [E, T, K] from the tokens
@@ -329,7 +329,7 @@ def _expert_rows(experts: int, x: fx.Node, plan: ExpertParallelPlan, call) -> tu
 
 def _own_experts_bmm(graph: fx.Graph, node: fx.Node, x: fx.Node, mine: fx.Node, experts: int,
                      plan: ExpertParallelPlan, args, call) -> fx.Node:
-    """``node`` (``bmm`` over the experts, ``x`` its rows) on this rank's experts' rows ``[lo, hi)``
+    """``node`` (a matmul batched over the experts, ``x`` its rows) on this rank's experts' rows ``[lo, hi)``
     of ``mine`` only, by the local experts; the other rows of the result zero (the same shape)."""
     per_rank = experts // plan.size
     lo = plan.rank * per_rank
@@ -340,7 +340,8 @@ def _own_experts_bmm(graph: fx.Graph, node: fx.Node, x: fx.Node, mine: fx.Node, 
     copy.meta = dict(node.meta)
     if value is not None:
         copy.meta["val"] = _fake(lambda v: v[lo:hi], value)
-    return call(aten.constant_pad_nd.default, (copy, [0, 0, 0, 0, lo, experts - hi], 0.0), value)
+    pad = [0, 0] * ((value.ndim if value is not None else 3) - 1) + [lo, experts - hi]  # (last dim first)
+    return call(aten.constant_pad_nd.default, (copy, pad, 0.0), value)
 
 
 def _local_indices(idx: fx.Node, experts: int, plan: ExpertParallelPlan, name: str,

@@ -306,3 +306,30 @@ def test_a_batched_matmul_of_some_of_the_experts_is_not_split_by_expert():
 
     _, _, regions, problems = _regions(Halved().eval())
     assert regions == [] and problems == []
+
+
+class EinsumMLP(DenseMLP):
+    """``DenseMLP`` with each projection an ``einsum`` batched over the experts."""
+
+    def forward(self, x):
+        h = x.reshape(-1, self.hidden)
+        scores = torch.sigmoid(self.router(h))
+        routed = h.unsqueeze(0).expand(self.experts, -1, -1)
+        gate, up = torch.einsum("eth,ehi->eti", routed, self.gate_up).chunk(2, dim=-1)
+        y = torch.einsum("eti,eih->eth", up * F.silu(gate), self.down)
+        return x + torch.einsum("eth,te->th", y, scores).view_as(x)
+
+
+def test_an_einsum_batched_over_the_experts_is_a_seed_and_one_not_batched_over_them_is_not():
+    _, params, regions, problems = _regions(EinsumMLP().eval())
+    assert problems == []
+    (region,) = regions
+    assert sorted(params[p] for p in region.seeds.values()) == ["down", "gate_up"]
+
+    class Contracted(EinsumMLP):  # the experts summed inside the einsum: no row per expert
+        def forward(self, x):
+            h = x.reshape(-1, self.hidden)
+            return torch.einsum("th,ehi->ti", h, self.gate_up).sum()
+
+    _, _, regions, problems = _regions(Contracted().eval())
+    assert regions == [] and problems == []

@@ -1,7 +1,7 @@
 """Property test of expert parallelism on real gloo ranks: MoE layers written in many ways
 (``tests/models/routed.py``: the router, the experts' stored layout and how they are applied
 (gathered per pair, a grouped matmul of the sorted pairs, or every expert on every token by a
-batched matmul over the experts), biases, gating, where the
+matmul batched over the experts: ``bmm`` or ``einsum``), biases, gating, where the
 routing weight is applied, how pairs are summed back to tokens, a shared expert), drawn by
 hypothesis, trained at ``dp=2, ep=2`` (ZeRO 0 or 1; tp 1 or 2) like the original on the whole batch: the
 loss, every gradient and the parameters after 2 AdamW steps, in float64. Each example spawns its
@@ -56,7 +56,7 @@ def _train_and_compare(config: RoutedConfig, zero: int, tp: int) -> None:
     what = f"{config}, zero={zero}, tp={tp}: "
     params, ref_params = dict(pm.named_parameters()), dict(ref.named_parameters())
     # (every expert on every token: the biases, added by broadcasting, are not split; they are small)
-    experts = ("up", "down") if config.dispatch == "dense" else ("up", "down", "up_bias", "down_bias")
+    experts = ("up", "down") if config.dispatch.startswith("dense") else ("up", "down", "up_bias", "down_bias")
     split = {n for n, p in params.items() if isinstance(p, DTensor) and p.to_local().shape[0] * 2 == p.shape[0]
              and n.split(".")[-1] in ("up", "down", "up_bias", "down_bias")}
     assert split == {n for n in ref_params if n.split(".")[-1] in experts}, what
@@ -87,7 +87,7 @@ CONFIGS = st.builds(
     combine=st.sampled_from(["view_sum", "index_add", "index_add_", "einsum"]),
     weights_before=st.booleans(),
     shared=st.booleans(),
-    dispatch=st.sampled_from(["gather", "grouped", "dense"]),
+    dispatch=st.sampled_from(["gather", "grouped", "dense", "dense_einsum"]),
 )
 
 
@@ -95,5 +95,7 @@ CONFIGS = st.builds(
 @given(config=CONFIGS, zero=st.sampled_from([0, 1]), tp=st.sampled_from(TP))
 @example(config=RoutedConfig(dispatch="grouped", layout="in_out", bias=True, combine="index_add"), zero=1, tp=1)
 @example(config=RoutedConfig(dispatch="dense", layout="in_out", bias=True, combine="einsum", shared=True), zero=1, tp=1)
+@example(config=RoutedConfig(dispatch="dense_einsum", weights_before=True, gated=False, experts=6, top_k=1), zero=0,
+         tp=int(TP[-1]))
 def test_routed_experts_written_many_ways_split_over_ep_and_train_like_the_original(config, zero, tp):
     spawn_with_deadline(_worker, 2 * tp, 300.0, config, zero, tp)

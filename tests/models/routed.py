@@ -42,7 +42,9 @@ class RoutedConfig:
     pairs sorted by expert, each projection one grouped matmul (transformers' op; offsets from a
     histogram of the sorted ids), biases gathered by the sorted ids, the pairs put back in order;
     ``dense``: every expert on every token (as Llama 4), ``[E, T, H]`` through a ``bmm`` over the
-    experts, the routing weights a dense ``[T, E]`` matrix with zeros for experts not chosen."""
+    experts, the routing weights a dense ``[T, E]`` matrix with zeros for experts not chosen;
+    ``dense_einsum``: the same with each projection an ``einsum`` batched over the experts
+    (``"eti,eoi->eto"``) and the gate taken apart by ``split``."""
 
 
 class RoutedMLP(nn.Module):
@@ -102,14 +104,23 @@ class RoutedMLP(nn.Module):
         dense = torch.zeros(h.shape[0], c.experts, dtype=h.dtype, device=h.device).scatter(1, idx, weights)
 
         def linear(weight, bias, x):  # x [E, T, in]
-            y = torch.bmm(weight, x.transpose(1, 2)).transpose(1, 2) if c.layout == "out_in" else torch.bmm(x, weight)
+            if c.dispatch == "dense_einsum":
+                y = torch.einsum("eti,eoi->eto" if c.layout == "out_in" else "eti,eio->eto", x, weight)
+            elif c.layout == "out_in":
+                y = torch.bmm(weight, x.transpose(1, 2)).transpose(1, 2)
+            else:
+                y = torch.bmm(x, weight)
             return y + bias.unsqueeze(1) if bias is not None else y
 
         x = h.unsqueeze(0).expand(c.experts, -1, -1)
         if c.weights_before:
             x = x * dense.t().unsqueeze(-1)
         a = linear(self.up, self.up_bias, x)
-        a = F.silu(a[..., :c.inner]) * a[..., c.inner:] if c.gated else F.gelu(a)
+        if c.gated:
+            gate, up = a.split(c.inner, dim=-1) if c.dispatch == "dense_einsum" else (a[..., :c.inner], a[..., c.inner:])
+            a = F.silu(gate) * up
+        else:
+            a = F.gelu(a)
         y = linear(self.down, self.down_bias, a)
         if c.weights_before:
             return y.sum(0)
@@ -121,7 +132,7 @@ class RoutedMLP(nn.Module):
         c = self.c
         h = x.reshape(-1, c.hidden)
         weights, idx = self._route(h)
-        if c.dispatch == "dense":
+        if c.dispatch in ("dense", "dense_einsum"):
             out = self._dense(h, weights, idx)
             if self.shared is not None:
                 out = out + self.shared(h)
