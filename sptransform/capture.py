@@ -261,7 +261,7 @@ def _capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph
         # input shape captures again, and its graph is cached for training too): the traced run's
         # autograd graph is what finds custom Functions (_CustomFunctionWatch).
         with quiet_fake_tensor_meta_failures(), torch.enable_grad(), _CustomFunctionWatch(template.module) as functions, \
-                _PythonRandomWatch() as draws:
+                _PythonRandomWatch() as draws, _StateWatch(template.module) as state:
             ep = torch.export.export(template.module, fake_args, fake_kwargs, strict=False)
     except Exception as err:  # torch raises many types here; re-raise one the user can act on
         with quiet_fake_tensor_meta_failures():
@@ -344,6 +344,7 @@ def _capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph
         )
     _refuse_custom_autograd_functions(functions)
     _refuse_python_random(draws)
+    _refuse_state_written_every_call(template, fake_args, fake_kwargs, state.changes)
     lost_draws = 0
     if _hidden_writes(ep.graph_module):
         # In-place writes read through another alias: functionalize (no decompositions), so
@@ -727,6 +728,127 @@ class _PythonRandomWatch:
         for restore in reversed(self._restore):
             restore()
         self._restore.clear()
+
+
+_MODULE_INTERNALS = frozenset({"_parameters", "_buffers", "_modules"})  # (compared by what the graph reads)
+
+
+def module_state(module: nn.Module) -> dict[tuple[str, str], object]:
+    """Every submodule's own Python attributes (``vars``, but parameters, buffers and the
+    submodule table), keyed by (submodule path, attribute), and each submodule by ``(path, "")``."""
+    state: dict[tuple[str, str], object] = {}
+    for path, sub in module.named_modules(remove_duplicate=False):
+        state[(path, "")] = sub
+        for key, value in vars(sub).items():
+            if key not in _MODULE_INTERNALS:
+                state[(path, key)] = value
+    return state
+
+
+def _same(a, b) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, (torch.Tensor, nn.Module)) or type(a) is not type(b):
+        return False  # (a tensor or module put in another's place is another one, whatever its values)
+    try:
+        return bool(a == b)
+    except Exception:  # no comparison (or an ambiguous one): a change
+        return False
+
+
+def state_changes(before: dict, after: dict) -> list[str]:
+    """What changed between two ``module_state`` snapshots, one line each; the attributes of a
+    submodule that appeared are one line (the submodule)."""
+    new = {path for path, key in after if key == "" and (path, "") not in before}
+    lines = []
+    for where in dict.fromkeys([*before, *after]):
+        path, key = where
+        if key and path in new:
+            continue
+        name = ".".join(p for p in (path, key) if p) or "the model"
+        if where not in after:
+            lines.append(f"{name} deleted")
+        elif where not in before:
+            lines.append(f"{name} set to {_short(after[where])}" if key else f"submodule {name} added")
+        elif not _same(before[where], after[where]):
+            lines.append(f"{name}: {_short(before[where])} -> {_short(after[where])}")
+    return lines
+
+
+def _short(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)}"
+    if isinstance(value, nn.Module):
+        return f"a {type(value).__name__}"
+    text = repr(value)
+    return text if len(text) <= 40 and isinstance(value, (int, float, str, bool, type(None))) else f"a {type(value).__name__}"
+
+
+class _StateWatch:
+    """The model's Python state as the traced forward leaves it: snapshots (``module_state``) as the
+    forward starts and as it returns, inside the trace (``torch.export`` puts every attribute back
+    afterwards, and only warns of tensors assigned)."""
+
+    def __init__(self, module: nn.Module):
+        self.module, self.changes = module, []
+
+    def __enter__(self) -> "_StateWatch":
+        module = self.module
+        self._own = vars(module).get("forward")
+        inner = module.forward
+
+        @functools.wraps(inner)
+        def watched(*args, **kwargs):
+            before = module_state(module)
+            out = inner(*args, **kwargs)
+            self.changes = state_changes(before, module_state(module))
+            return out
+
+        module.forward = watched
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._own is None:
+            del self.module.forward
+        else:
+            self.module.forward = self._own
+
+
+def _refuse_state_written_every_call(template: FakeTemplate, fake_args: tuple, fake_kwargs: dict,
+                                     changes: list[str]) -> None:
+    """A captured graph is the forward's tensor computation; what the forward does to the model's
+    Python state (``self.calls += 1``, ``self.aux_loss = loss`` for the training loop to read) happens
+    once, while tracing, on sptransform's copy. A write that the forward repeats the same way is
+    harmless (a submodule swapped or a table built on the first call: BigBird switches to full
+    attention for short sequences), so the forward is run a second time on the fake copy: what it
+    changes again is what every later call would change, and is refused, naming each attribute."""
+    if not changes:
+        return
+    module = template.module
+    saved = {path: dict(vars(sub)) for path, sub in module.named_modules(remove_duplicate=False)}
+    try:
+        with quiet_fake_tensor_meta_failures(), template.fake_mode, torch.enable_grad():
+            module(*fake_args, **fake_kwargs)  # the traced call's writes (export undid them)
+            after = module_state(module)
+            module(*fake_args, **fake_kwargs)
+    except Exception as err:  # (it was traced once already: a run that fails changed what it reads)
+        again = [f"{', '.join(changes[:5])}; running it again raised {type(err).__name__}: {str(err)[:120]}"]
+    else:
+        again = state_changes(after, module_state(module))
+    finally:  # the template as export left it (its first run's writes undone), for later captures
+        for path, sub in module.named_modules(remove_duplicate=False):
+            if path in saved:
+                sub.__dict__.clear()
+                sub.__dict__.update(saved[path])
+    if again:
+        raise ValueError(
+            f"the model's forward changes its own Python state at every call ({'; '.join(again[:6])}"
+            + (f"; and {len(again) - 6} more" if len(again) > 6 else "")
+            + "): a captured graph runs only the tensor computation, so after the one traced call these attributes "
+            "keep the values they had then: a counter or a warm-up branch that reads them stays where it was, and a "
+            "value stored on the module for the training loop (an auxiliary loss) is never updated. Return such "
+            "values from forward, or keep the state outside the model"
+        )
 
 
 def _refuse_python_random(watch: _PythonRandomWatch) -> None:

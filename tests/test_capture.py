@@ -224,3 +224,49 @@ def test_a_python_random_draw_in_the_forward_is_refused_naming_the_line_and_the_
     first = random.random()
     random.seed(3)
     assert random.random() == first
+
+
+class _Stateful(nn.Module):
+    """A forward that writes its own Python state: a step counter read by a warm-up branch, an
+    auxiliary loss stored for the training loop, or a table built once for the input's length."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how, self.up = how, nn.Linear(8, 8)
+        self.calls, self.table, self.built_for = 0, None, 0
+
+    def forward(self, x):
+        y = self.up(x)
+        if self.how == "counter":
+            self.calls += 1
+            if self.calls > 2:  # a warm-up: the graph traced on call 1 would never get here
+                y = y * 2
+        elif self.how == "aux loss":
+            self.aux_loss = y.square().mean()
+        elif self.built_for != x.shape[0]:  # "cache": built on the first call, then read as it is
+            self.table, self.built_for = torch.arange(x.shape[0]), x.shape[0]
+        return y.sum()
+
+
+@pytest.mark.parametrize("how, attribute", [("counter", r"calls: 0 -> 1|calls: 1 -> 2"),
+                                            ("aux loss", r"aux_loss: a tensor of shape \[\] -> a tensor")])
+def test_a_forward_that_changes_its_python_state_at_every_call_is_refused_naming_it(how, attribute):
+    import sptransform
+
+    model = _Stateful(how)
+    with pytest.raises(ValueError, match=r"changes its own Python state at every call \((" + attribute + ")"):
+        sptransform.parallelize(model, tp=1, example_inputs=(torch.randn(2, 8),))
+    assert model.calls == 0 and "aux_loss" not in vars(model)  # the user's model is never run
+
+
+def test_a_write_the_forward_repeats_alike_is_captured_and_the_template_left_as_export_leaves_it():
+    import sptransform
+    from sptransform.capture import FakeTemplate, capture, module_state
+
+    template = FakeTemplate(_Stateful("cache"), torch.device("cpu"))
+    before = module_state(template.module)
+    capture(template, (torch.randn(2, 8),), {})  # the first call builds the table, a second one reads it
+    assert all(before[k] is v for k, v in module_state(template.module).items())
+    model = _Stateful("cache")
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(sptransform.parallelize(model, tp=1, example_inputs=(x,))(x), model(x))
