@@ -66,7 +66,7 @@ from sptransform.passes.canonicalize import functional_copies, narrow_as_slice, 
 from sptransform.passes.data_parallel import DataParallelPlan, data_parallel, zero_dim
 from sptransform.passes.dropout import shard_dropout
 from sptransform.passes.expert_parallel import ExpertGroups, ExpertParallelPlan, expert_parallel, tensor_parallel_dims
-from sptransform.graph.experts import data_nodes, find_expert_regions
+from sptransform.graph.experts import data_nodes, find_expert_regions, is_bmm_seed
 from sptransform.passes.token_weighting import weight_by_token_counts
 from sptransform.passes.overlap import schedule_collectives
 from sptransform.passes.remat import remat_partition
@@ -348,12 +348,21 @@ def _split_experts(gm: fx.GraphModule, build: Build) -> PassResult:
     params = {node: name for node, name in state.items() if name in captured.param_names}
     regions, problems = find_expert_regions(gm, params, data_nodes(gm, captured.user_placeholders),
                                            emitted=tensor_parallel_dims)
+    # every expert on every token (a matmul batched over them: shared experts stacked, say) is dense
+    # compute; experts that ep does not divide are left whole there, as without ep, not refused
+    dense = [r for r in regions if all(is_bmm_seed(seed) for seed in r.seeds)
+             and any(shape_of(param)[0] % ep for param in r.seeds.values())]
+    regions = [r for r in regions if r not in dense]
     experts: dict[str, int] = {}
     for region in regions:
         for param in region.seeds.values():
             experts[params[param]] = shape_of(param)[0]
     problems += [f"{name} has {count} experts, which ep={ep} does not divide" for name, count in experts.items()
                  if count % ep]
+    if not regions and dense:
+        problems.append("the only experts found are applied to every token by a batched matmul and ep=" + str(ep)
+                        + " does not divide their counts (" + ", ".join(sorted(
+                            f"{params[p]}: {shape_of(p)[0]}" for r in dense for p in r.seeds.values())) + "): use ep=1")
     if not regions and not problems:
         problems.append(
             "no expert weights gathered by routing indices (w[idx], transformers' experts_implementation="

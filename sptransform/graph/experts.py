@@ -454,8 +454,12 @@ def find_expert_regions(gm: fx.GraphModule, params: dict[fx.Node, str], data: se
                 first, *rest = mine
                 for other in rest:
                     _merge(first, other, where, regions)
-            else:
-                problems.append(f"{describe(node)} mixes the outputs of two expert layers routed by different indices")
+            else:  # outside every one of them: each region's value is summed over the ranks first
+                if _inplace(node) and any(node.args[0] in r.state for r in mine):
+                    problems.append(f"{describe(node)} writes in place into a tensor of the experts' computation; "
+                                    "expert parallelism cannot split that (write it out of place)")
+                for r in mine:
+                    r.masked |= {a for a in node.all_input_nodes if r.state.get(a) == OWNED}
                 continue
         (region,) = {where[a] for a in node.all_input_nodes if a in where}
         owned = {a for a in node.all_input_nodes if region.state.get(a) == OWNED}

@@ -333,3 +333,30 @@ def test_an_einsum_batched_over_the_experts_is_a_seed_and_one_not_batched_over_t
 
     _, _, regions, problems = _regions(Contracted().eval())
     assert regions == [] and problems == []
+
+
+def test_routed_experts_beside_stacked_shared_experts_are_two_regions_summed_before_their_add():
+    class WithShared(RoutedMLP):  # shared experts stacked and run on every token by a bmm (Inkling's)
+        def __init__(self):
+            super().__init__()
+            self.shared_up = nn.Parameter(torch.randn(2, 8, 16) / 8 ** 0.5)
+
+        def forward(self, x):
+            h = x.reshape(-1, self.hidden)
+            weights, idx = torch.topk(self.router(h).softmax(-1), self.k)
+            flat = idx.reshape(-1)
+            pairs = h.repeat_interleave(self.k, 0)
+            a = F.gelu(torch.bmm(self.up[flat], pairs.unsqueeze(-1)).squeeze(-1) + self.up_bias[flat])
+            y = torch.bmm(self.down[flat], a.unsqueeze(-1)).squeeze(-1) * weights.reshape(-1, 1)
+            routed = y.view(-1, self.k, self.hidden).sum(1)
+            stacked = h.unsqueeze(0).expand(2, -1, -1)
+            shared = torch.bmm(F.gelu(torch.bmm(stacked, self.shared_up)), self.shared_up.transpose(1, 2)).sum(0)
+            return x + (routed + shared).view_as(x)  # the two regions' partial sums meet in one add
+
+    gm, params, regions, problems = _regions(WithShared().eval())
+    assert problems == []
+    assert sorted(sorted({params[p] for p in r.seeds.values()}) for r in regions) == [["down", "up", "up_bias"],
+                                                                                     ["shared_up"]]
+    (mixed,) = [n for n in gm.graph.nodes if n.target == aten.add.Tensor
+                and {a for a in n.all_input_nodes if any(a in r.outputs for r in regions)} == set(n.all_input_nodes)]
+    assert all(mixed not in r.state for r in regions)  # outside both: each region's sum is taken first
