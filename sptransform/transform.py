@@ -355,7 +355,7 @@ def _split_experts(gm: fx.GraphModule, build: Build) -> PassResult:
     regions = [r for r in regions if r not in dense]
     experts: dict[str, int] = {}
     for region in regions:
-        for param in region.seeds.values():
+        for param in [*region.seeds.values(), *region.padded]:
             experts[params[param]] = shape_of(param)[0]
     problems += [f"{name} has {count} experts, which ep={ep} does not divide" for name, count in experts.items()
                  if count % ep]

@@ -84,6 +84,10 @@ class ExpertRegion:
     """Owned nodes read where a partial value is wanted (a region node, or outside)."""
     outputs: list[fx.Node] = field(default_factory=list)
     """Owned or partial nodes read outside the region (summed over the ranks there)."""
+    padded: list[fx.Node] = field(default_factory=list)
+    """Parameters of ``E`` rows (per-expert biases) broadcast into owned rows of a region whose
+    seeds are matmuls batched over the experts: split like the experts, each rank's rows padded
+    back to ``E`` with zeros where the graph reads them (``broadcast_expert_params``)."""
 
 
 def _norm(dim: int, ndim: int) -> int:
@@ -495,8 +499,43 @@ def find_expert_regions(gm: fx.GraphModule, params: dict[fx.Node, str], data: se
         counts = {shape_of(g.args[0])[0] for g in region.seeds if is_grouped_mm(g)}
         if len(counts) > 1:
             problems.append(f"the grouped matmuls of one routing have different numbers of rows {sorted(counts)}")
+        region.padded = broadcast_expert_params(region, params)
         _finish(gm, region, data)
     return list(regions.values()), problems
+
+
+def broadcast_expert_params(region: ExpertRegion, params: dict[fx.Node, str]) -> list[fx.Node]:
+    """In a region whose seeds are all matmuls batched over ``E`` experts: the other parameters of
+    ``E`` rows read only through views that keep row ``e`` at dim 0 (``unsqueeze``/``slice`` past
+    dim 0) by pointwise region ops whose result is owned rows of ``E`` leading (a bias added per
+    expert, ``y + b[:, None, :]``): row ``e`` of the result reads row ``e`` of ``b`` alone."""
+    if not region.seeds or not all(is_bmm_seed(seed) for seed in region.seeds):
+        return []
+    experts = shape_of(next(iter(region.seeds.values())))[0]
+    seeds = set(region.seeds.values())
+    found = []
+    for param in params:
+        shape = shape_of(param)
+        if param in seeds or not shape or shape[0] != experts or not param.users:
+            continue
+        frontier, readers, ok = [param], [], True
+        while frontier and ok:
+            node = frontier.pop()
+            for user in node.users:
+                op = packet(user) if user.op == "call_function" and isinstance(user.target, OpOverload) else None
+                if user in region.state and region.state[user] == OWNED and torch.Tag.pointwise in user.target.tags \
+                        and (shape_of(user) or [None])[0] == experts:
+                    readers.append(user)
+                elif user not in region.state and user.args and user.args[0] is node and (
+                        op is aten.unsqueeze and _norm(user.args[1], _ndim(user) or 0) >= 1
+                        or op is aten.slice and (_norm(user.args[1], _ndim(node) or 0) >= 1
+                                                 or shape_of(user) == shape_of(node))):
+                    frontier.append(user)
+                else:
+                    ok = False
+        if ok and readers:
+            found.append(param)
+    return found
 
 
 def _merge(into: ExpertRegion, other: ExpertRegion, where: dict[fx.Node, ExpertRegion], regions: dict) -> None:

@@ -158,6 +158,8 @@ def _rewrite(gm: fx.GraphModule, region: ExpertRegion, params: dict[fx.Node, str
             return selected[(a, s)]
         return a  # the same on every rank
 
+    if region.padded:
+        _pad_broadcast_params(graph, region.padded, params, plan, call)
     for node in region.nodes:
         with graph.inserting_before(node):
             for a in region_args(node):
@@ -218,6 +220,23 @@ def _rewrite(gm: fx.GraphModule, region: ExpertRegion, params: dict[fx.Node, str
             user.replace_input_with(out, result)
     for node in reversed(region.nodes):
         graph.erase_node(node)
+
+
+def _pad_broadcast_params(graph: fx.Graph, padded: list[fx.Node], params: dict[fx.Node, str],
+                          plan: ExpertParallelPlan, call) -> None:
+    """Each parameter of ``region.padded`` (this rank's ``E/ep`` rows stored) read as ``E`` rows:
+    its rows padded back with zeros where the graph starts, so the views and broadcasts that read
+    it keep their shapes (the other ranks' rows only reach rows the region masks)."""
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    for param in padded:
+        experts = plan.experts[params[param]]
+        per_rank = experts // plan.size
+        lo = plan.rank * per_rank
+        value = tensor_val(param)
+        with graph.inserting_before(first):
+            pad = [0, 0] * ((value.ndim if value is not None else 1) - 1) + [lo, experts - lo - per_rank]
+            whole = call(aten.constant_pad_nd.default, (param, pad, 0.0), value)
+        param.replace_all_uses_with(whole, delete_user_cb=lambda user, whole=whole: user is not whole)
 
 
 def _same_rows(owner: fx.Node | None, other: fx.Node, call) -> fx.Node:

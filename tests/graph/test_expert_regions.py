@@ -360,3 +360,23 @@ def test_routed_experts_beside_stacked_shared_experts_are_two_regions_summed_bef
     (mixed,) = [n for n in gm.graph.nodes if n.target == aten.add.Tensor
                 and {a for a in n.all_input_nodes if any(a in r.outputs for r in regions)} == set(n.all_input_nodes)]
     assert all(mixed not in r.state for r in regions)  # outside both: each region's sum is taken first
+
+
+def test_a_bias_per_expert_added_by_broadcasting_is_split_with_the_experts_unless_read_elsewhere():
+    class Biased(DenseMLP):
+        def __init__(self, elsewhere=False):
+            super().__init__()
+            self.elsewhere = elsewhere
+            self.bias = nn.Parameter(torch.randn(self.experts, 2 * 16) / 10)
+
+        def forward(self, x):
+            h = x.reshape(-1, self.hidden)
+            routed = h.unsqueeze(0).expand(self.experts, -1, -1)
+            gate, up = (torch.bmm(routed, self.gate_up) + self.bias[:, None, :]).chunk(2, dim=-1)
+            y = torch.bmm(up * F.silu(gate), self.down).sum(0)
+            return (x + y.view_as(x)).sum() + (self.bias.sum() if self.elsewhere else 0)
+
+    _, params, (region,), problems = _regions(Biased().eval())
+    assert problems == [] and [params[p] for p in region.padded] == ["bias"]
+    _, params, (region,), problems = _regions(Biased(elsewhere=True).eval())
+    assert problems == [] and region.padded == []

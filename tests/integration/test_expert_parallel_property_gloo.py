@@ -55,8 +55,7 @@ def _train_and_compare(config: RoutedConfig, zero: int, tp: int) -> None:
                                  example_inputs=(local[0], local[0]))
     what = f"{config}, zero={zero}, tp={tp}: "
     params, ref_params = dict(pm.named_parameters()), dict(ref.named_parameters())
-    # (every expert on every token: the biases, added by broadcasting, are not split; they are small)
-    experts = ("up", "down") if config.dispatch.startswith("dense") else ("up", "down", "up_bias", "down_bias")
+    experts = ("up", "down", "up_bias", "down_bias")  # (every expert on every token: biases added by broadcasting)
     split = {n for n, p in params.items() if isinstance(p, DTensor) and p.to_local().shape[0] * 2 == p.shape[0]
              and n.split(".")[-1] in ("up", "down", "up_bias", "down_bias")}
     assert split == {n for n in ref_params if n.split(".")[-1] in experts}, what
