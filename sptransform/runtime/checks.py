@@ -11,7 +11,10 @@ each call runs in two phases:
    over ranks, each rank would silently mask the ids it does not hold). Any exception is held.
 2. **agree** (one fixed-size all-gather of ``FINGERPRINT`` int64s per call, ``check_inputs``):
    each rank contributes whether phase 1 failed, and hashes of its train/eval mode, of the input
-   structure, and of each input's shape/dtype and values. Every rank then raises the same way:
+   structure, and of each input's shape/dtype and values, and the digest of the captured graph
+   the call runs (a graph built for a new signature or mode is compared here, at no extra
+   collective: tp peers with the same inputs and modes trace the same program unless the
+   forward depends on the rank). Every rank then raises the same way:
    its own held error, or that a peer failed, or that the ranks were given different inputs
    (naming the input). The collective has the same shape whatever the inputs, so ranks passing
    different shapes meet in it instead of aborting inside a graph collective. The hashes of what
@@ -41,8 +44,9 @@ aten = torch.ops.aten
 
 LEAF_SLOTS = 6
 """Inputs fingerprinted one by one (so that a mismatch names the input); later ones share a slot."""
-FINGERPRINT = 3 + 2 * LEAF_SLOTS + 1
-"""int64s per rank: failed flag, mode, structure, per-input shape/dtype and values, the rest."""
+FINGERPRINT = 3 + 2 * LEAF_SLOTS + 2
+"""int64s per rank: failed flag, mode, structure, per-input shape/dtype and values, the rest, and the
+digest of the graph the call runs, as captured (``graph.fingerprint``)."""
 _MASK = (1 << 62) - 1
 
 
@@ -314,16 +318,17 @@ def signature_fingerprint(args: tuple, kwargs: dict) -> list[int]:
 
 
 def fingerprint(args: tuple, kwargs: dict, mode_key: tuple, failed: bool, device: torch.device,
-                signature: list[int] | None = None) -> list[torch.Tensor]:
+                signature: list[int] | None = None, graph: int = 0) -> list[torch.Tensor]:
     """This rank's fingerprint of one call, one ``FINGERPRINT``-long int64 tensor per simulated
     rank (one on a real rank). A failed rank sends only its flag. ``signature``: the call's
-    ``signature_fingerprint``, when the caller has it already."""
+    ``signature_fingerprint``, when the caller has it already; ``graph``: the digest of the
+    captured graph the call runs (0: none to compare)."""
     with maybe_disable_local_tensor_mode():  # plain tensors; simulated ranks' values are read one by one
-        return _fingerprint(args, kwargs, mode_key, failed, device, signature)
+        return _fingerprint(args, kwargs, mode_key, failed, device, signature, graph)
 
 
 def _fingerprint(args: tuple, kwargs: dict, mode_key: tuple, failed: bool, device: torch.device,
-                 signature: list[int] | None) -> list[torch.Tensor]:
+                 signature: list[int] | None, graph: int) -> list[torch.Tensor]:
     # Built from Python ints in one ``torch.tensor`` (on the CPU; elsewhere with the inputs'
     # content hashes where they live): no zero-filled buffer written slot by slot.
     if failed:
@@ -348,7 +353,7 @@ def _fingerprint(args: tuple, kwargs: dict, mode_key: tuple, failed: bool, devic
             else:
                 rest = (rest * 31 + value) & _MASK
         rest = (rest + rest_meta_hash) & _MASK
-        tail = [*contents, rest]
+        tail = [*contents, rest, graph]
         if any(isinstance(v, torch.Tensor) for v in tail):  # hashes computed on a device
             tail = [v.to(device) if isinstance(v, torch.Tensor) else torch.tensor(v, device=device) for v in tail]
             rows.append(torch.cat([torch.tensor(head, dtype=torch.int64, device=device), torch.stack(tail)]))
@@ -396,6 +401,12 @@ def raise_if_disagree(table: list[list[int]], own_error: BaseException | None, n
     for r, row in enumerate(table):
         groups.setdefault(row[column], []).append(r)
     split = " vs ".join("[" + ", ".join(rank_label(r) for r in ranks) + "]" for ranks in groups.values())
+    if column == FINGERPRINT - 1:
+        raise ValueError(
+            f"tensor-parallel ranks {split} run different graphs for the same inputs and modes: the model's forward "
+            "traced differently on them (it depends on the rank, the device index or a per-rank flag or config), "
+            "so the parallel model would compute another function on some ranks; every rank must trace the same "
+            "program (check_inputs=False turns this check off)")
     if column == 1:
         what = "are in different train/eval modes (call .train() / .eval() on every rank alike)"
     elif column == 2:

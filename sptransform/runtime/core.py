@@ -210,7 +210,8 @@ class ModuleCore(nn.Module):
         agreement = self._agreement()
         if agreement is not None:
             signature = self._signature_fingerprint(result) if error is None else None
-            rows = fingerprint(args, kwargs, self._mode_key(), error is not None, self._device, signature)
+            rows = fingerprint(args, kwargs, self._mode_key(), error is not None, self._device, signature,
+                               self._graph_digest(result) if error is None else 0)
             table = gather_fingerprints(rows, agreement.groups, agreement.simulated)
             raise_if_disagree(table, error, lambda: leaf_names(args, kwargs), agreement.label, agreement.this)
         if error is not None:
@@ -220,6 +221,11 @@ class ModuleCore(nn.Module):
     def _agreement(self) -> Agreement | None:
         """How this module's ranks compare inputs, or None when a call skips phase 2."""
         raise NotImplementedError
+
+    def _graph_digest(self, checked) -> int:
+        """The digest of the captured graph this call runs (``graph.fingerprint``), if ``checked``
+        (what ``local()`` returned) says which; 0: not compared."""
+        return 0
 
     def _signature_fingerprint(self, checked) -> list[int] | None:
         """The ``signature_fingerprint`` of this call's inputs, if ``checked`` (what ``local()``

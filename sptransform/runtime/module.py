@@ -304,6 +304,10 @@ class ParallelModule(ModuleCore):
                         lambda: leaf_names(args, kwargs))
         return cached
 
+    def _graph_digest(self, checked: _Cached) -> int:
+        printed = checked.graph.fingerprint
+        return printed.digest if printed is not None else 0
+
     def _signature_fingerprint(self, checked: _Cached) -> list[int]:
         """Worked out when the graph was cached: the fingerprint's structure and shape hashes."""
         return checked.signature_fingerprint

@@ -154,6 +154,13 @@ def _cross_rank_checks(rank: int, world: int, port: int) -> None:
         # a forward that reads the rank (tp=2 with sp=False would run rank 1's scaled half silently)
         _raises(lambda: sptransform.parallelize(_RankScaled(), tp=2, sp=False, example_inputs=(torch.randn(4, 16),)),
                 ValueError, "the ranks captured different graphs", "h = h * 2" if rank == 1 else "torch.relu(h)")
+        # ... only in eval(): the train graph agrees at parallelize; the eval graph, built at the first eval
+        # call, is compared in that call's input check (its captured graph's digest): both ranks raise
+        x = torch.randn(4, 16)
+        pm = sptransform.parallelize(_RankScaled(eval_only=True), tp=2, sp=False, example_inputs=(x,))
+        pm(x).backward()
+        pm.eval()
+        _raises(lambda: pm(x), ValueError, "run different graphs for the same inputs and modes")
         _pipeline_modes(rank, world)
         _unloaded_meta_parameters(rank, world)
         dist.barrier()
@@ -249,13 +256,14 @@ def _unloaded_meta_parameters(rank: int, world: int) -> None:
 
 
 class _RankScaled(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, eval_only: bool = False):
         super().__init__()
+        self.eval_only = eval_only
         self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
 
     def forward(self, x):
         h = self.up(x)
-        if dist.get_rank() == 1:  # a rank-dependent forward: rank 1 traces one more op
+        if dist.get_rank() == 1 and not (self.eval_only and self.training):  # rank 1 traces one more op
             h = h * 2
         return self.down(torch.relu(h)).sum()
 

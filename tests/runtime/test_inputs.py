@@ -293,8 +293,11 @@ def test_the_per_call_fingerprint_reduces_nothing_and_tells_inputs_apart():
     last = row(**many)
     for key in (f"x{LEAF_SLOTS}", f"x{LEAF_SLOTS + 1}"):
         other = row(**{**many, key: many[key] + 1})
-        assert [c for c, (a, b) in enumerate(zip(last, other)) if a != b] == [FINGERPRINT - 1], key
-    assert row(**{**many, f"x{LEAF_SLOTS}": many[f"x{LEAF_SLOTS}"][:3]})[-1] != last[-1]
+        assert [c for c, (a, b) in enumerate(zip(last, other)) if a != b] == [FINGERPRINT - 2], key  # "the rest"
+    assert row(**{**many, f"x{LEAF_SLOTS}": many[f"x{LEAF_SLOTS}"][:3]})[-2] != last[-2]
+    # the last column: the captured graph's digest, given by the module (0 when it has none to compare)
+    graphs = [fingerprint((), inputs, (True,), False, torch.device("cpu"), signature, g)[0].tolist() for g in (0, 7)]
+    assert [c for c, (a, b) in enumerate(zip(*graphs)) if a != b] == [FINGERPRINT - 1] and graphs[1][-1] == 7
     failed = fingerprint((), {"input_ids": ids}, (True,), True, torch.device("cpu"))[0].tolist()
     assert failed == [1] + [0] * (FINGERPRINT - 1)
 
