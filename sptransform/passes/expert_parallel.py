@@ -35,8 +35,10 @@ uninitialised):
              m_s = (r >= a) & (r < b)                           # the rows it owns
 
 A matmul batched over the experts, ``bmm(x [E, T, K], w [E, K, N])`` (or its ``matmul`` or
-``einsum("etk,ekn->etn")``; every expert on every token, Llama 4's experts), runs this rank's experts' rows of ``x`` by its local experts; the
-result keeps its shape, the other rows zero (masked like any owned rows after):
+``einsum("etk,ekn->etn")``; every expert on every token, Llama 4's experts), runs this rank's
+experts' rows of ``x`` by its local experts; the result keeps its shape, the other rows zero
+(masked like any owned rows after); a per-expert bias broadcast into those rows is padded back
+to ``E`` rows where the graph starts:
 
     before:  y = bmm(x, w)                                      # x [E, T, K] from the tokens
     after:   y_s = constant_pad_nd(bmm(slice(x_s, 0, lo, hi), w_local), [0, 0, 0, 0, lo, E - hi])
@@ -348,8 +350,9 @@ def _expert_rows(experts: int, x: fx.Node, plan: ExpertParallelPlan, call) -> tu
 
 def _own_experts_bmm(graph: fx.Graph, node: fx.Node, x: fx.Node, mine: fx.Node, experts: int,
                      plan: ExpertParallelPlan, args, call) -> fx.Node:
-    """``node`` (a matmul batched over the experts, ``x`` its rows) on this rank's experts' rows ``[lo, hi)``
-    of ``mine`` only, by the local experts; the other rows of the result zero (the same shape)."""
+    """``node`` (a matmul batched over the experts, ``x`` its rows) on this rank's experts' rows
+    ``[lo, hi)`` of ``mine`` only, by the local experts; the other rows of the result zero (the
+    same shape)."""
     per_rank = experts // plan.size
     lo = plan.rank * per_rank
     hi = lo + per_rank
