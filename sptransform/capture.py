@@ -781,7 +781,8 @@ def _short(value) -> str:
     if isinstance(value, nn.Module):
         return f"a {type(value).__name__}"
     text = repr(value)
-    return text if len(text) <= 40 and isinstance(value, (int, float, str, bool, type(None))) else f"a {type(value).__name__}"
+    plain = isinstance(value, (int, float, str, bool, type(None))) and len(text) <= 40
+    return text if plain else f"a {type(value).__name__}"
 
 
 class _StateWatch:
@@ -820,8 +821,10 @@ def _refuse_state_written_every_call(template: FakeTemplate, fake_args: tuple, f
     Python state (``self.calls += 1``, ``self.aux_loss = loss`` for the training loop to read) happens
     once, while tracing, on sptransform's copy. A write that the forward repeats the same way is
     harmless (a submodule swapped or a table built on the first call: BigBird switches to full
-    attention for short sequences), so the forward is run a second time on the fake copy: what it
-    changes again is what every later call would change, and is refused, naming each attribute."""
+    attention for short sequences), so the forward runs twice more on the fake copy (the first run
+    redoes the traced call's writes, which export undid): what the second changes again is what
+    every later call would change, and is refused, naming each attribute. A second run that raises
+    is refused too (it read what the first wrote)."""
     if not changes:
         return
     module = template.module
