@@ -5,10 +5,11 @@ Every rank captures the unmodified model on its own; the passes then pair collec
 ranks by position in the graph. A forward whose code depends on the rank (``if
 dist.get_rank() == 0: ...``), on a per-rank config, or on anything else that differs between
 processes traces a different graph on some rank, and the parallel model would compute another
-function there with no error. Each node is hashed from what it computes, never from where:
+function there with no error. Each node is hashed from what it computes (its inputs by their
+own hashes), never from where it sits or what it is named:
 
     %mul : call_function[target=aten.mul.Tensor](args=(%x, 2.0))  val: [2, 8] float32 cuda:1
-    ->  ("call_function", "aten.mul.Tensor", (("%", 3), "2.0"), (), ([2, 8], "torch.float32", "cuda"))
+    ->  ("call_function", "aten.mul.Tensor", (("%", hash(x)), "2.0"), (), ([2, 8], "torch.float32", "cuda"))
 
 Devices count by type only (rank ``r`` runs on ``cuda:r``); objects without a stable text
 (a ``repr`` with an address) count by their type's name."""
@@ -39,7 +40,7 @@ def _target(target) -> str:
 
 def _canon(value, index: dict[fx.Node, int]):
     if isinstance(value, fx.Node):
-        return ("%", index.get(value, -1))
+        return ("%", index.get(value, -1))  # (the input's own hash)
     if isinstance(value, (list, tuple, torch.Size)):
         return tuple(_canon(v, index) for v in value)
     if isinstance(value, dict):
@@ -65,21 +66,24 @@ def _value(node: fx.Node):
 
 
 def node_fingerprints(gm: fx.GraphModule) -> list[int]:
-    """One 62-bit hash per node of ``gm`` (in graph order), of the op, its arguments (nodes by
-    position) and its value's shape, dtype and device type."""
-    index: dict[fx.Node, int] = {}
+    """One 62-bit hash per node of ``gm`` (in graph order), of the op, its arguments (each input
+    node by its own hash, so a node's hash covers everything it is computed from, and not where it
+    sits in the graph) and its value's shape, dtype and device type. Independent of node order:
+    a model that builds its masks in a loop over a ``set`` of layer types traces them in another
+    order in each process (Python's string hashes differ), the same computation."""
+    hashes: dict[fx.Node, int] = {}
     out = []
-    for i, node in enumerate(gm.graph.nodes):
-        index[node] = i
-        parts = (node.op, _target(node.target), _canon(node.args, index), _canon(node.kwargs, index), _value(node))
+    for node in gm.graph.nodes:
+        parts = (node.op, _target(node.target), _canon(node.args, hashes), _canon(node.kwargs, hashes), _value(node))
         digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-        out.append(int.from_bytes(digest, "little") & _MASK)
+        hashes[node] = int.from_bytes(digest, "little") & _MASK
+        out.append(hashes[node])
     return out
 
 
 def graph_fingerprint(hashes: list[int]) -> int:
-    """The whole graph's hash from its nodes' (``node_fingerprints``)."""
-    digest = hashlib.blake2b(repr(hashes).encode(), digest_size=8).digest()
+    """The whole graph's hash from its nodes' (``node_fingerprints``), as a multiset."""
+    digest = hashlib.blake2b(repr(sorted(hashes)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & _MASK
 
 

@@ -53,3 +53,17 @@ def test_the_device_index_does_not_count():
     assert arange.kwargs["device"] == torch.device("cpu")
     arange.kwargs = {**arange.kwargs, "device": torch.device("cpu", 1)}  # what rank 1 of a GPU job records
     assert fingerprint(graph).digest == before
+
+
+def test_the_order_the_graph_was_traced_in_does_not_count():
+    class Masks(nn.Module):  # masks built in a loop over a set of layer types: another order per process
+        def __init__(self, order):
+            super().__init__()
+            self.order, self.up = order, nn.Linear(8, 8)
+
+        def forward(self, x):
+            masks = {kind: (x > (0.1 if kind == "full" else 0.2)).float() for kind in self.order}
+            return (self.up(x) * masks["full"] + masks["sliding"]).sum()
+
+    one, other = _print(Masks(["full", "sliding"])), _print(Masks(["sliding", "full"]))
+    assert one.hashes != other.hashes and one.digest == other.digest

@@ -149,7 +149,7 @@ def _cross_rank_checks(rank: int, world: int, port: int) -> None:
             layer.mlp.act_fn = transformers.activations.ACT2FN[model.config.hidden_act]
         message = _raises(lambda: sptransform.parallelize(model, tp=2, example_inputs=batch), ValueError,
                           "the ranks captured different graphs from the model: ranks [0] vs [1]",
-                          f"This rank's ({rank}) graph first differs from rank {1 - rank}'s at node")
+                          f"This rank's ({rank}) graph first differs from rank {1 - rank}'s at its node")
         assert ("aten.silu" if rank == 0 else "aten.gelu") in message, message
         # a forward that reads the rank (tp=2 with sp=False would run rank 1's scaled half silently)
         _raises(lambda: sptransform.parallelize(_RankScaled(), tp=2, sp=False, example_inputs=(torch.randn(4, 16),)),
