@@ -276,7 +276,8 @@ def _gradient_reductions(gm: fx.GraphModule, build: Build) -> PassResult:
     if routing:
         build.plan.notes.append(
             f"{len(routing)} ops whose shapes depend on the data (token routing: nonzero, boolean masks, "
-            f".tolist() of counts) run whole on every rank on all the tokens, their parameters replicated: "
+            f".tolist() of counts) run whole on every rank on all the tokens, any parameter they read replicated "
+            f"(ops that only read routed rows are split along their other dims where a rule splits them): "
             + ", ".join(n.name for n in routing[:6]) + (", ..." if len(routing) > 6 else ""))
     return PassResult(gm, False)
 

@@ -36,7 +36,7 @@ import torch.fx as fx
 
 from sptransform.capture import CapturedGraph
 from sptransform.graph.findings import EmbeddingMatch, LinearMatch, ModelAnalysis, Region
-from sptransform.graph.nodes import MOVES_ONLY, data_dependent, describe, forward_closure, is_grouped_mm, packet, shape_of, tensor_nbytes
+from sptransform.graph.nodes import MOVES_ONLY, describe, routes, unbacked_dims, forward_closure, is_grouped_mm, packet, shape_of, tensor_nbytes
 from sptransform.graph.placement import DimShard, ParamPlacement, whole
 from sptransform.graph.reasons import divisibility_message, whole_reasons
 from sptransform.graph.rules.forward import READS_METADATA_ONLY
@@ -199,8 +199,8 @@ def find_linears(captured: CapturedGraph) -> dict[fx.Node, LinearMatch]:
             out_dim = 2
         else:
             continue
-        if data_dependent(node):
-            continue  # routed tokens: a count known only at run time (propagation keeps it whole)
+        if routes(node):
+            continue  # a linear deciding a routing value: computed whole (propagation keeps it so)
         grouped = is_grouped_mm(node)
         placeholder, perm, piece = _param_through_views(w, captured)
         if placeholder is None or (p in (aten.mm, aten.matmul) and len(shape_of(placeholder)) != 2):
@@ -351,7 +351,7 @@ def trace_region(
         if node not in pending:
             continue
         spec = pending.pop(node)
-        if data_dependent(node):
+        if routes(node) or spec.dim in unbacked_dims(node):
             raise ShardingError(f"{describe(node)}: its shape depends on the data (token routing); it runs whole")
         if node in linears and node is not row.node:
             if spec.dim == linears[node].output_dim % len(shape_of(node)):

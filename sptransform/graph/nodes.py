@@ -112,6 +112,29 @@ def data_dependent(node) -> bool:
     return any(free_unbacked_symbols(val(n)) for n in (node, *node.all_input_nodes))
 
 
+def routes(node) -> bool:
+    """Whether ``node`` decides something from the data: it makes a new unbacked symbol (the
+    count of ``nonzero``, an ``.item()``) or a value that is not a tensor from one (a size, a
+    comparison, an assertion). Such ops must see the same whole inputs on every rank, so that
+    every rank routes every token alike; an op that only reads a tensor with a data-dependent
+    size (the rows ``x[idx]`` and what is computed from them) need not."""
+    if not data_dependent(node):
+        return False
+    value = val(node)
+    if not isinstance(value, torch.Tensor):
+        return True
+    read = set().union(*(free_unbacked_symbols(val(n)) for n in node.all_input_nodes))
+    return bool(free_unbacked_symbols(value) - read)
+
+
+def unbacked_dims(node) -> set[int]:
+    """The dims of ``node``'s tensor whose size is known only at run time (``u0``)."""
+    value = val(node)
+    if not isinstance(value, torch.Tensor):
+        return set()
+    return {d for d, size in enumerate(value.shape) if free_unbacked_symbols(size)}
+
+
 def tensor_val(node) -> torch.Tensor | None:
     value = val(node)
     return value if isinstance(value, torch.Tensor) else None
@@ -214,11 +237,28 @@ def tensor_inputs(node: fx.Node) -> list[fx.Node]:
 
 
 def shape_of(node) -> tuple[int, ...] | None:
-    """The node's tensor shape as ints (None for non-tensors and non-nodes)."""
+    """The node's tensor shape as ints (None for non-tensors and non-nodes).
+
+    A size known only at run time (routed rows, ``u0``) reads as ``stand_in(size)``: a prime no
+    real size divides, not 1, so the rules that look at shapes treat it as a size that neither
+    broadcasts (as ``torch.export`` assumes of it) nor splits; no split of it is ever made
+    (``unbacked_dims``)."""
     value = node.meta.get("val") if isinstance(node, fx.Node) else None
     if isinstance(value, torch.Tensor):
-        return tuple(int(s) for s in value.shape)
+        return tuple(stand_in(s) if free_unbacked_symbols(s) else int(s) for s in value.shape)
     return None
+
+
+_STAND_INS = (1_000_003, 1_000_033, 1_000_037, 1_000_039)
+
+
+def stand_in(size) -> int:
+    """An integer for a data-dependent size: each unbacked symbol by one of a few large primes
+    (the same symbol always by the same one, so equal sizes stay equal)."""
+    expr = size.node.expr if isinstance(size, torch.SymInt) else size
+    symbols = sorted(expr.free_symbols, key=str)
+    values = {sym: _STAND_INS[int(str(sym).lstrip("u") or 0) % len(_STAND_INS)] for sym in symbols}
+    return int(expr.subs(values))
 
 
 def output_shape(node) -> tuple[int, ...] | None:

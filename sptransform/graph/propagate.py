@@ -19,13 +19,16 @@ stays split along the sequence and blocks are entered by an all-gather.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Container
 
 import torch
 import torch.fx as fx
 
-from sptransform.graph.nodes import data_dependent, describe, shape_of
+from sptransform.graph.nodes import data_dependent, describe, routes, shape_of, unbacked_dims
+from sptransform.torch_internals import GuardOnDataDependentSymNode
 from sptransform.graph.placement import PARTIAL, REPLICATED, DimShard, whole
 from sptransform.graph.rules import Decision, RuleContext, ShardingError, forward_rule, gather_all, tensor_inputs
 
@@ -109,7 +112,7 @@ def move_kind(have, want) -> str:
 
 def _nbytes(node: fx.Node) -> int:
     value = node.meta.get("val")
-    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+    return math.prod(shape_of(node)) * value.element_size() if isinstance(value, torch.Tensor) else 0
 
 
 def decision_cost(decision: Decision, placement_of, constant) -> float:
@@ -186,12 +189,31 @@ def _output_placement(node: fx.Node, placement, keep: bool = False):
 
 
 def _decide(node: fx.Node, result: Propagation, ctx: RuleContext, constant, sequence) -> Decision:
-    if data_dependent(node):
-        # Routing with data-dependent shapes (``nonzero``, a boolean mask, ``.tolist()`` of counts):
-        # computed whole from whole inputs, so every rank routes every token alike (tokens split
-        # by SP are gathered first, partial sums reduced) and no size of it is ever split.
-        decision = gather_all(node, tensor_inputs(node))
-        return Decision(decision.needs, decision.output, "routing")
+    if not data_dependent(node):
+        return _decide_by_rules(node, result, ctx, constant, sequence)
+    # Routing with data-dependent shapes (``nonzero``, a boolean mask, ``.tolist()`` of counts) is
+    # computed whole from whole inputs, so every rank routes every token alike (tokens split by SP
+    # are gathered first, partial sums reduced) and no size of it is ever split. An op that only
+    # reads such a tensor (an expert's linears on its rows ``x[idx]``) is split like any other,
+    # along dims of static size only.
+    if not routes(node):
+        try:
+            decision = _decide_by_rules(node, result, ctx, constant, sequence)
+        except GuardOnDataDependentSymNode:  # a rule that asks something of a run-time size: whole
+            decision = None
+        if decision is not None and _static_splits(node, decision):
+            return decision
+    decision = gather_all(node, tensor_inputs(node))
+    return Decision(decision.needs, decision.output, "routing")
+
+
+def _static_splits(node: fx.Node, decision: Decision) -> bool:
+    """Whether every split the decision reads or makes is along a dim of static size."""
+    wanted = [(a, p) for a, p in decision.needs.items()] + [(node, decision.output)]
+    return all(not isinstance(p, DimShard) or p.dim not in unbacked_dims(a) for a, p in wanted)
+
+
+def _decide_by_rules(node: fx.Node, result: Propagation, ctx: RuleContext, constant, sequence) -> Decision:
     placement_of = result.as_read
     decision = forward_rule(node, placement_of, ctx)
     if decision is not None:

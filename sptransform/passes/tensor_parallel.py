@@ -50,8 +50,8 @@ from sptransform.graph.placement import PARTIAL, REPLICATED, DimShard, ParamPlac
 from sptransform.graph.plan import ParallelPlan
 from sptransform.graph.propagate import Propagation, move_kind
 from sptransform.graph.rules import ShardingError, is_split, local_slice_bounds, slice_bounds
-from sptransform.graph.nodes import data_dependent, describe, packet, shape_of
-from sptransform.torch_internals import op_schema
+from sptransform.graph.nodes import data_dependent, describe, packet, routes, shape_of, stand_in
+from sptransform.torch_internals import free_unbacked_symbols, op_schema
 from sptransform.passes.base import insert_bucket
 from sptransform.passes.localize import index_table, localize, localize_split
 from sptransform.runtime.collectives import copy_to_tp, gather_output, gather_seq, reduce_from_tp, scatter_seq, sync_grads
@@ -105,7 +105,7 @@ def _local_value(value, placement, tp: int):
     """A fake tensor of the local shape ``placement`` gives ``value`` (a global fake tensor)."""
     if not isinstance(value, torch.Tensor):
         return value
-    shape = list(value.shape)
+    shape = [stand_in(s) if free_unbacked_symbols(s) else s for s in value.shape]
     if isinstance(placement, DimShard):
         shape[placement.dim] = placement.local_size(tp)
     return torch.empty(shape, dtype=value.dtype, device=value.device)
@@ -124,11 +124,15 @@ def check_local_shapes(gm: fx.GraphModule, prop: Propagation, nodes: list[fx.Nod
         return n.meta.get("sptransform_spec", REPLICATED)  # a redistribution: its target
 
     problems = []
-    with maybe_disable_local_tensor_mode(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    with maybe_disable_local_tensor_mode(), FakeTensorMode(allow_non_fake_inputs=True):
         for node in nodes:
             expected = prop.placement.get(node)
-            if expected is None or node.target in _SKIP_SHAPE_CHECK or data_dependent(node):
-                continue  # data-dependent: whole on every rank (propagation), no fake run without a shape env
+            if expected is None or node.target in _SKIP_SHAPE_CHECK or routes(node):
+                continue  # routing: whole on every rank (propagation), no fake run without a shape env
+            if data_dependent(node) and all(placement_of(a) in (None, REPLICATED) for a in (node, *node.all_input_nodes)):
+                continue  # whole, as on one device: nothing to check (and a run-time size's stand-in, which
+                # knows nothing of sums of such sizes that equal a static one, might not even run it)
+            # Sizes known only at run time (the rows routed to an expert) run as their stand-ins.
 
             def local(a):
                 if not isinstance(a, fx.Node):
@@ -140,8 +144,9 @@ def check_local_shapes(gm: fx.GraphModule, prop: Propagation, nodes: list[fx.Nod
                 value = a.meta.get("val")
                 if isinstance(value, (tuple, list)):
                     return [_local_value(v, p, plan.tp) for v, p in zip(value, placement_of(a))]
-                return _local_value(mode.from_tensor(value) if isinstance(value, torch.Tensor) else value,
-                                    placement_of(a), plan.tp)
+                if isinstance(value, torch.SymInt) and free_unbacked_symbols(value):
+                    return stand_in(value)
+                return _local_value(value, placement_of(a), plan.tp)
 
             try:
                 args, kwargs = fx.node.map_arg((node.args, node.kwargs), local)
@@ -156,7 +161,7 @@ def check_local_shapes(gm: fx.GraphModule, prop: Propagation, nodes: list[fx.Nod
             for got, placement, value in zip(values, wanted, globals_):
                 if not isinstance(got, torch.Tensor) or not isinstance(value, torch.Tensor):
                     continue
-                want = list(_local_value(mode.from_tensor(value), placement, plan.tp).shape)
+                want = list(_local_value(value, placement, plan.tp).shape)
                 if list(got.shape) != want:
                     why = ("a size argument sptransform does not localize" if _has_size_argument(node) else
                            "the placement rule for this op disagrees with what the op computes: a bug in "

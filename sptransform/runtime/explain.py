@@ -9,6 +9,7 @@ from sptransform.graph.nodes import tensor_val
 from sptransform.graph.placement import describe_placement
 from sptransform.runtime.collectives import copy_to_tp, gather_output, gather_seq, reduce_from_tp, scatter_seq, sync_grads
 from sptransform.runtime.ops import vocab_parallel_cross_entropy
+from sptransform.torch_internals import free_unbacked_symbols
 from sptransform.runtime.zero import gather_whole
 
 # A constant table (never written at run time), read by explain().
@@ -32,7 +33,8 @@ def collective_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 
 
 def collective_bytes(node: torch.fx.Node, tp: int) -> int:
-    """Bytes of the full (all-gathered / pre-reduction) tensor one call moves."""
+    """Bytes of the full (all-gathered / pre-reduction) tensor one call moves. For a tensor whose
+    rows are known only at run time (those routed to one expert) a ``SymInt`` (``128*u0``)."""
     if node.target is vocab_parallel_cross_entropy:
         logits = node.args[0].meta["val"]
         return int(logits.numel() // logits.shape[-1] * logits.element_size())
@@ -43,7 +45,14 @@ def collective_bytes(node: torch.fx.Node, tp: int) -> int:
     val = node.meta.get("val")
     if val is None:
         val = node.args[0].meta.get("val")
-    return int(val.numel() * val.element_size()) if val is not None else 0
+    if val is None:
+        return 0
+    nbytes = val.numel() * val.element_size()
+    return nbytes if free_unbacked_symbols(nbytes) else int(nbytes)
+
+
+def _bytes_text(nbytes) -> str:
+    return f"{nbytes:>12,} B" if isinstance(nbytes, int) else f"{str(nbytes):>12} B (rows known at run time)"
 
 
 def collective_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
@@ -146,7 +155,7 @@ def explain(graph, options) -> str:
     lines.append("collectives (forward / backward, bytes of the full tensor per call):")
     for node in collective_nodes(graph.gm):
         fwd, bwd = (" + ".join(k) or "-" for k in COLLECTIVE_DIRECTIONS[node.target])
-        lines.append(f"  {node.name:<28} {node.target.__name__:<28} fwd {fwd:<15} bwd {bwd:<15} {collective_bytes(node, options.tp):>12,} B")
+        lines.append(f"  {node.name:<28} {node.target.__name__:<28} fwd {fwd:<15} bwd {bwd:<15} {_bytes_text(collective_bytes(node, options.tp))}")
     counts = collective_counts(graph.gm)
     lines.append("per step: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
     if graph.data_parallel is not None:

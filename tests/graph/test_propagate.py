@@ -379,3 +379,47 @@ def test_data_dependent_ops_run_whole_on_gathered_tokens():
     assert ("all_gather", linear.name) in _moves(prop)
     # every op that reads the unbacked size (the sum over the kept rows) runs whole too
     assert prop.placement[_node(gm, aten.sum)] == REPLICATED
+
+
+class ExpertRows(nn.Module):
+    """Mixtral's reference loop over per-expert ``nn.Linear`` MLPs: each expert's rows picked by
+    ``torch.where`` (a count known only at run time), its MLP run on them, ``index_add_`` back."""
+
+    def __init__(self, experts: int = 2):
+        super().__init__()
+        self.gate = nn.Linear(8, experts, bias=False)
+        self.up = nn.ModuleList(nn.Linear(8, 16, bias=False) for _ in range(experts))
+        self.down = nn.ModuleList(nn.Linear(16, 8, bias=False) for _ in range(experts))
+
+    def forward(self, x):  # x: [16, 8]
+        choice = self.gate(x).argmax(-1)
+        y = torch.zeros_like(x)
+        for e, (up, down) in enumerate(zip(self.up, self.down)):
+            idx = torch.where(choice == e)[0]
+            y = y.index_add(0, idx, down(F.gelu(up(x[idx]))))
+        return y
+
+
+def test_ops_on_routed_rows_are_split_along_static_dims_and_the_routing_runs_whole():
+    """What decides the routing (``nonzero``, the sizes and assertions on its count) runs whole;
+    what only reads the routed rows is split like any MLP, along the features, never the rows."""
+    from sptransform.graph.nodes import routes, unbacked_dims
+
+    seeds = {f"up.{e}.weight": whole(0, 16) for e in range(2)} | {f"down.{e}.weight": whole(1, 16) for e in range(2)}
+    gm, prop, _, _ = _run(ExpertRows(), (torch.randn(16, 8),), seeds)
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    deciding = [n for n in nodes if routes(n)]
+    assert deciding and all(prop.source[n] == "routing" for n in deciding)
+    assert all(p in (None, REPLICATED) or set(p) == {REPLICATED} for p in (prop.placement[n] for n in deciding))
+    ups = [n for n in nodes if n.target is aten.linear.default and n.meta["val"].shape[-1] == 16]
+    downs = [n for n in nodes if n.target is aten.linear.default and n.meta["val"].shape[-1] == 8]
+    assert len(ups) == 2 and all(unbacked_dims(u) == {0} and prop.placement[u] == whole(1, 16) for u in ups)
+    assert len(downs) == 2 and all(prop.placement[d] == PARTIAL for d in downs)  # row-parallel: partial sums
+    rows = [n for n in nodes if n.target is aten.index.Tensor]
+    assert all(prop.placement[r] == REPLICATED for r in rows)  # the rows themselves whole, as the tokens
+    for node in nodes:  # no split along a run-time size, read or made
+        for a, p in [*prop.reads[node].items(), (node, prop.placement[node])]:
+            assert not isinstance(p, DimShard) or p.dim not in unbacked_dims(a), (node, a, p)
+    # each expert's partial sum is reduced (on its rows), and nothing else moves
+    assert [(k, n.target) for k, n in ((k, next(x for x in nodes if x.name == name)) for k, name in _moves(prop))] \
+        == [("all_reduce", aten.linear.default)] * 2

@@ -44,7 +44,10 @@ class RoutedConfig:
     ``dense``: every expert on every token (as Llama 4), ``[E, T, H]`` through a ``bmm`` over the
     experts, the routing weights a dense ``[T, E]`` matrix with zeros for experts not chosen;
     ``dense_einsum``: the same with each projection an ``einsum`` batched over the experts
-    (``"eti,eoi->eto"``) and the gate taken apart by ``split``."""
+    (``"eti,eoi->eto"``) and the gate taken apart by ``split``; ``loop``: Mixtral's reference
+    loop, each expert its own ``nn.Linear`` modules run on the rows ``torch.where`` picks for it (a
+    count known only at run time), summed back with ``index_add`` (``combine="index_add_"``: in
+    place into zeros; otherwise out of place)."""
 
 
 class RoutedMLP(nn.Module):
@@ -58,10 +61,15 @@ class RoutedMLP(nn.Module):
             shape = (c.experts, out_features, in_features) if c.layout == "out_in" else (c.experts, in_features, out_features)
             return nn.Parameter(torch.randn(shape) / in_features ** 0.5)
 
-        self.up = expert(up, c.hidden)
-        self.down = expert(c.hidden, c.inner)
-        self.up_bias = nn.Parameter(torch.randn(c.experts, up) / 10) if c.bias else None
-        self.down_bias = nn.Parameter(torch.randn(c.experts, c.hidden) / 10) if c.bias else None
+        if c.dispatch == "loop":
+            self.experts = nn.ModuleList(
+                nn.ModuleDict({"up": nn.Linear(c.hidden, up, bias=c.bias), "down": nn.Linear(c.inner, c.hidden, bias=c.bias)})
+                for _ in range(c.experts))
+        else:
+            self.up = expert(up, c.hidden)
+            self.down = expert(c.hidden, c.inner)
+            self.up_bias = nn.Parameter(torch.randn(c.experts, up) / 10) if c.bias else None
+            self.down_bias = nn.Parameter(torch.randn(c.experts, c.hidden) / 10) if c.bias else None
         self.shared = nn.Sequential(nn.Linear(c.hidden, c.inner), nn.GELU(), nn.Linear(c.inner, c.hidden)) \
             if c.shared else None
 
@@ -128,10 +136,31 @@ class RoutedMLP(nn.Module):
             return torch.einsum("eth,te->th", y, dense)
         return (y * dense.t().unsqueeze(-1)).sum(0)
 
+    def _loop(self, h, weights, idx):
+        c = self.c
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            tokens, slot = torch.where(idx == e)
+            rows, w = h[tokens], weights[tokens, slot, None]
+            a = expert["up"](rows * w if c.weights_before else rows)
+            a = F.silu(a[:, :c.inner]) * a[:, c.inner:] if c.gated else F.gelu(a)
+            y = expert["down"](a)
+            y = y if c.weights_before else y * w
+            if c.combine == "index_add_":
+                out.index_add_(0, tokens, y)
+            else:
+                out = out.index_add(0, tokens, y)
+        return out
+
     def forward(self, x):
         c = self.c
         h = x.reshape(-1, c.hidden)
         weights, idx = self._route(h)
+        if c.dispatch == "loop":
+            out = self._loop(h, weights, idx)
+            if self.shared is not None:
+                out = out + self.shared(h)
+            return out.view_as(x)
         if c.dispatch in ("dense", "dense_einsum"):
             out = self._dense(h, weights, idx)
             if self.shared is not None:

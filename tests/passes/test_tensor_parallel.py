@@ -200,3 +200,33 @@ def test_bucketed_parameter_gradients_read_through_getitem():
     gm, plan = _rewritten(Normed(), COLUMN_ROW, seq=4, sp=True)
     assert set(plan.sync_params) == {"norm.weight", "norm.bias"}
     assert _ops(gm, operator.getitem)
+
+
+class RoutedRows(MLP):
+    """One expert of Mixtral's reference loop: the rows ``torch.where`` picks (a count known only
+    at run time, ``u0``), an MLP on them with a heads-like view, ``index_add`` back."""
+
+    def __init__(self):
+        super().__init__(heads_view=True)
+        self.gate = nn.Linear(8, 4, bias=False)
+
+    def forward(self, x):  # x: [8, 8]
+        idx = torch.where(self.gate(x).argmax(-1) == 0)[0]
+        h = self.up(x[idx])
+        h = h.view(-1, 2, 8).relu().view(-1, 16)  # the view's rows are the run-time count
+        return torch.zeros_like(x).index_add(0, idx, self.down(h))
+
+
+def test_the_shape_check_covers_ops_on_rows_known_only_at_run_time():
+    """Split along their static dims, ops on routed rows get the same safety net as the others:
+    run on stand-in sizes for the run-time count, a view left with its global sizes is named."""
+    from sptransform.graph.nodes import routes, unbacked_dims
+
+    captured, _, _, prop = _placed(RoutedRows(), (torch.randn(8, 8),), COLUMN_ROW)
+    gm = captured.gm
+    views = _ops(gm, aten.view.default)
+    assert views and all(unbacked_dims(v) == {0} and not routes(v) for v in views)
+    assert all(prop.placement[v].dim == 1 for v in views)  # the heads dim, never the rows
+    plan = ParallelPlan(tp=2, sp=False, group="tp", rank=add_rank_input(gm))
+    with pytest.raises(ShardingError, match="view"):
+        check_local_shapes(gm, prop, [n for n in gm.graph.nodes if n.op == "call_function"], plan)
