@@ -261,7 +261,8 @@ def test_a_forward_that_changes_its_python_state_at_every_call_is_refused_naming
 
 def test_a_write_the_forward_repeats_alike_is_captured_and_the_template_left_as_export_leaves_it():
     import sptransform
-    from sptransform.capture import FakeTemplate, capture, module_state
+    from sptransform.capture import FakeTemplate, capture
+    from sptransform.capture_watches import module_state
 
     template = FakeTemplate(_Stateful("cache"), torch.device("cpu"))
     before = module_state(template.module)

@@ -26,6 +26,7 @@ LAYERS = [
     ("sptransform.graph", 2),
     ("sptransform.planner", 1),
     ("sptransform.capture", 2),
+    ("sptransform.capture_watches", 1),
     ("sptransform.options", 0),
     ("sptransform.copying", 0),
     ("sptransform.torch_internals", 0),

@@ -140,6 +140,24 @@ def _stacked_experts(node, captured: CapturedGraph) -> tuple[fx.Node, list[int]]
     return placeholder, perm if perm is not None else [0, 1, 2]
 
 
+def _selected_expert(node, captured: CapturedGraph) -> tuple[fx.Node, list[int]] | None:
+    """If ``node`` is one expert's 2-D weight ``W[i]`` (``select(W, 0, i)``, maybe transposed) of a
+    3-D parameter: (placeholder, the map from the weight's two dims to the parameter's). JetMoE's
+    and ScatterMoE-style ``[E, out, in]`` experts run one by one on their rows (``F.linear(rows,
+    W[i])``); every expert's slice is split alike, so the parameter splits along that dim."""
+    perm = [0, 1]
+    while isinstance(node, fx.Node) and packet(node) in _WEIGHT_VIEWS and len(shape_of(node) or ()) == 2:
+        step = _view_step(node)
+        perm = [step[d] for d in perm]
+        node = node.args[0]
+    if not isinstance(node, fx.Node) or node.target is not aten.select.int or node.args[1] % 3 != 0:
+        return None
+    placeholder, inner, piece = _param_through_views(node.args[0], captured)
+    if placeholder is None or piece is not None or inner is not None or len(shape_of(placeholder)) != 3:
+        return None
+    return placeholder, [d + 1 for d in perm]
+
+
 def _batched_experts(node: fx.Node, captured: CapturedGraph) -> LinearMatch | None:
     """``bmm`` of an activation by experts' weights, one linear per expert: gathered per token, as
     transformers' ``experts_implementation="batched_mm"`` runs its experts, or the 3-D parameter
@@ -203,14 +221,17 @@ def find_linears(captured: CapturedGraph) -> dict[fx.Node, LinearMatch]:
             continue  # a linear deciding a routing value: computed whole (propagation keeps it so)
         grouped = is_grouped_mm(node)
         placeholder, perm, piece = _param_through_views(w, captured)
-        if placeholder is None or (p in (aten.mm, aten.matmul) and len(shape_of(placeholder)) != 2):
+        selected = None if grouped or placeholder is not None else _selected_expert(w, captured)
+        if selected is not None:  # one expert's slice: the parameter's dims through the select
+            placeholder, perm = selected
+        elif placeholder is None or (p in (aten.mm, aten.matmul) and len(shape_of(placeholder)) != 2):
             continue
         if grouped and piece is not None:
             continue  # some rows of each expert's weight: not a layout we split
-        in_dim = 1 if grouped else None
+        in_dim = 1 if grouped else (1 - out_dim if selected is not None else None)
         if perm is not None:
             out_dim = perm[out_dim]
-            in_dim = perm[in_dim] if grouped else None
+            in_dim = perm[in_dim] if in_dim is not None else None
         if piece is not None and piece[0] != out_dim:
             continue  # a piece along the input features: no column split of it to derive
         bias_node, bias_piece = None, None
@@ -234,7 +255,7 @@ def find_linears(captured: CapturedGraph) -> dict[fx.Node, LinearMatch]:
             weight_piece=piece[1:] if piece is not None else None,
             bias_piece=bias_piece[1:] if bias_piece is not None else None,
             in_dim=in_dim,
-            per_group=grouped,
+            per_group=grouped or selected is not None,
         )
     return found
 

@@ -235,3 +235,28 @@ def test_bmm_with_the_experts_as_its_batch_dim_splits_like_a_dense_mlp_per_exper
     assert placements["gate_up"].spec == DimShard(2, ((0, I), (I, I)))
     assert placements["down"].spec == DimShard(1, ((0, I),))
     train_side_by_side(StackedExperts, _inputs(), tp=2, sp=False, steps=2, rtol=1e-4, atol=1e-5)
+
+
+class SelectedExperts(nn.Module):
+    """Expert ``e``'s weight as the slice ``W[e]`` of a 3-D parameter, in both storage layouts
+    (JetMoE's ``F.linear(rows, W[e])``; ``rows @ W[e]``), and a slice along another dim that is
+    no expert's weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.out_in = nn.Parameter(torch.randn(3, 12, 8))
+        self.in_out = nn.Parameter(torch.randn(3, 8, 12))
+        self.across = nn.Parameter(torch.randn(12, 3, 8))
+
+    def forward(self, x):  # x: [4, 8]
+        return F.linear(x, self.out_in[1]) + x @ self.in_out[2] + F.linear(x, self.across[:, 0])
+
+
+def test_a_slice_of_a_3d_parameter_by_expert_is_a_linear_per_expert():
+    captured = capture(FakeTemplate(SelectedExperts(), torch.device("cpu")), (torch.randn(4, 8),), {})
+    by_weight = {m.weight_name: m for m in find_linears(captured).values()}
+    assert set(by_weight) == {"out_in", "in_out"}  # W[:, 0] selects along another dim: no expert
+    out_in, in_out = by_weight["out_in"], by_weight["in_out"]
+    assert (out_in.out_dim, out_in.weight_in_dim, out_in.per_group) == (1, 2, True)
+    assert (in_out.out_dim, in_out.weight_in_dim, in_out.per_group) == (2, 1, True)
+    assert (out_in.in_features, out_in.out_features) == (in_out.in_features, in_out.out_features) == (8, 12)

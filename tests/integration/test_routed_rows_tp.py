@@ -1,7 +1,8 @@
 """Tensor parallelism of experts that run on the rows the routing picks for them: Mixtral's
 reference loop, each expert its own ``nn.Linear`` modules, ``torch.where`` for its rows (a count
 known only at run time, ``u0``), ``index_add`` back (``tests/models/routed.py``,
-``dispatch="loop"``). What decides the routing runs whole on every rank; each expert's linears
+``dispatch="loop"``), or the same loop over 3-D parameters, expert ``e``'s weight their slice
+``W[e]`` (``"loop_stacked"``, JetMoE-style storage). What decides the routing runs whole on every rank; each expert's linears
 are split like a dense MLP (up column-wise, down row-wise) along their features, never the rows.
 
 Drawn by hypothesis (router, gating, biases, where the routing weight is applied, in- or
@@ -23,7 +24,8 @@ BATCH, SEQ = 2, 8
 
 CONFIGS = st.builds(
     RoutedConfig,
-    dispatch=st.just("loop"),
+    dispatch=st.sampled_from(["loop", "loop_stacked"]),
+    layout=st.sampled_from(["out_in", "in_out"]),
     experts=st.sampled_from([2, 3, 4]),
     top_k=st.sampled_from([1, 2]),
     inner=st.sampled_from([8, 24]),
@@ -45,8 +47,9 @@ def _check(config: RoutedConfig, *, processes: bool) -> None:
     report = sptransform.verify(model, tp=2, sp=False, example_inputs=(ids, ids), steps=2, rtol=1e-9,
                                 processes=processes, timeout_s=300)  # (no attention: no SP)
     assert report.status == "equal", f"{config}\n{report}"
-    experts = [r for r in report.rows if ".experts." in r.name and r.kind.startswith("param")]
-    assert experts and all("Shard" in r.placement for r in experts if r.name.endswith("weight")), f"{config}\n{report}"
+    experts = [r for r in report.rows if r.kind.startswith("param")
+               and (".experts." in r.name and r.name.endswith("weight") or r.name.endswith((".up", ".down")))]
+    assert experts and all("Shard" in r.placement for r in experts), f"{config}\n{report}"
     # every expert weight split: what stays whole is the router, the norms, the row biases
     assert report.held_share < 0.56, f"{config}: held {report.held_share}\n{report}"
 

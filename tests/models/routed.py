@@ -47,7 +47,9 @@ class RoutedConfig:
     (``"eti,eoi->eto"``) and the gate taken apart by ``split``; ``loop``: Mixtral's reference
     loop, each expert its own ``nn.Linear`` modules run on the rows ``torch.where`` picks for it (a
     count known only at run time), summed back with ``index_add`` (``combine="index_add_"``: in
-    place into zeros; otherwise out of place)."""
+    place into zeros; otherwise out of place); ``loop_stacked``: the same loop over one 3-D
+    parameter per projection, expert ``e``'s weight its slice ``W[e]`` (in ``layout``), its bias
+    ``b[e]`` added after the product."""
 
 
 class RoutedMLP(nn.Module):
@@ -136,15 +138,22 @@ class RoutedMLP(nn.Module):
             return torch.einsum("eth,te->th", y, dense)
         return (y * dense.t().unsqueeze(-1)).sum(0)
 
+    def _expert_linear(self, e: int, which: str, x):
+        if self.c.dispatch == "loop":
+            return self.experts[e][which](x)
+        weight, bias = getattr(self, which)[e], getattr(self, f"{which}_bias")
+        y = F.linear(x, weight) if self.c.layout == "out_in" else x @ weight
+        return y + bias[e] if bias is not None else y
+
     def _loop(self, h, weights, idx):
         c = self.c
         out = torch.zeros_like(h)
-        for e, expert in enumerate(self.experts):
+        for e in range(c.experts):
             tokens, slot = torch.where(idx == e)
             rows, w = h[tokens], weights[tokens, slot, None]
-            a = expert["up"](rows * w if c.weights_before else rows)
+            a = self._expert_linear(e, "up", rows * w if c.weights_before else rows)
             a = F.silu(a[:, :c.inner]) * a[:, c.inner:] if c.gated else F.gelu(a)
-            y = expert["down"](a)
+            y = self._expert_linear(e, "down", a)
             y = y if c.weights_before else y * w
             if c.combine == "index_add_":
                 out.index_add_(0, tokens, y)
@@ -156,7 +165,7 @@ class RoutedMLP(nn.Module):
         c = self.c
         h = x.reshape(-1, c.hidden)
         weights, idx = self._route(h)
-        if c.dispatch == "loop":
+        if c.dispatch in ("loop", "loop_stacked"):
             out = self._loop(h, weights, idx)
             if self.shared is not None:
                 out = out + self.shared(h)

@@ -10,7 +10,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from sptransform.graph.nodes import describe, packet, shape_of
+from sptransform.graph.nodes import describe, packet, shape_of, stand_in
+from sptransform.torch_internals import free_unbacked_symbols
 from sptransform.graph.placement import DimShard, whole
 from sptransform.graph.rules.base import ShardingError, norm_dim
 
@@ -146,7 +147,8 @@ def split_chunks(node: fx.Node) -> list[tuple[int, int]]:
     d = split_dim(node)
     out, off = [], 0
     for v in vals:
-        size = int(v.shape[d]) if packet(node) is not aten.unbind else 1
+        size = (stand_in(v.shape[d]) if free_unbacked_symbols(v.shape[d]) else int(v.shape[d])) \
+            if packet(node) is not aten.unbind else 1  # (chunks sized by routing counts: their stand-ins)
         out.append((off, size))
         off += size
     return out
