@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from sptransform.runtime.collectives import waited
+from sptransform.runtime.collectives import fresh, waited
 from sptransform.torch_internals import funcol
 
 
@@ -29,7 +29,7 @@ class _ScaleGradient(torch.autograd.Function):
     @staticmethod
     def forward(ctx, loss, weight):
         ctx.save_for_backward(weight)
-        return loss.view_as(loss)
+        return fresh(loss)
 
     @staticmethod
     def backward(ctx, grad):
