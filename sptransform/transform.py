@@ -62,7 +62,9 @@ from sptransform.graph.plan import ParallelGraph, ParallelPlan, ParamPlacement
 from sptransform.graph.propagate import Propagation, SequenceSplit, propagate
 from sptransform.options import GRAPH_COMPILERS, GraphCompiler, ParallelOptions, PipelineOptions, RematOptions
 from sptransform.passes.base import Pass, PassResult, run_logged, run_passes
-from sptransform.passes.canonicalize import functional_copies, narrow_as_slice, remove_dead_code, repeat_grouped_kv, split_bias
+from sptransform.passes.canonicalize import (
+    functional_copies, narrow_as_slice, remove_dead_code, repeat_grouped_kv, sizes_as_arguments, split_bias,
+)
 from sptransform.passes.data_parallel import DataParallelPlan, data_parallel, zero_dim
 from sptransform.passes.dropout import shard_dropout
 from sptransform.passes.expert_parallel import ExpertGroups, ExpertParallelPlan, expert_parallel, tensor_parallel_dims
@@ -406,6 +408,7 @@ PASSES: list[Pass] = [
     # every tp: the graph runs under autograd (tp=1 with dp or pp too), and copy has no formula
     Pass("functional_copies", lambda gm, b: _changed(gm, functional_copies(gm))),
     Pass("narrow_as_slice", lambda gm, b: _changed(gm, narrow_as_slice(gm)), enabled=_tensor_parallel),
+    Pass("sizes_as_arguments", lambda gm, b: _changed(gm, sizes_as_arguments(gm)), enabled=_tensor_parallel),
     Pass("repeat_grouped_kv", lambda gm, b: _changed(gm, repeat_grouped_kv(gm, tp=b.options.tp)),
          enabled=_tensor_parallel),
     Pass("analyse", _analyse, adds=("analysis", "placements"), enabled=_tensor_parallel),

@@ -34,6 +34,14 @@ the rules (a piece of a fused weight, its bounds on a rank's local rows) that na
     before:  p = narrow(w, 0, 32, 64)
     after:   p = slice(w, 0, 32, 96)
 
+``sizes_as_arguments``: ``expand_as``, ``view_as`` and ``reshape_as`` take their size from a
+second tensor, which is read for its shape only; with that tensor split (the sequence under SP)
+the op would take the local size while its first input is whole. The size it names goes in
+as an argument, which the rewrite localizes like any other (shapes are static).
+
+    before:  m = expand_as(mask, scores)                 # scores: [2, 8, 16, 16]
+    after:   m = expand(mask, [2, 8, 16, 16])
+
 All edit ``gm`` in place and keep ``node.meta["val"]`` on what they create.
 """
 
@@ -154,6 +162,30 @@ def narrow_as_slice(gm: fx.GraphModule) -> int:
         start = start + size if start < 0 else start  # narrow counts a negative start from the end; slice's end would not
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(aten.slice.Tensor, (x, dim, start, start + length))
+        _take_over(gm, node, new)
+        changed += 1
+    if changed:
+        gm.recompile()
+    return changed
+
+
+_SIZED_BY = {aten.expand_as.default: aten.expand.default, aten.view_as.default: aten.view.default,
+             aten.reshape_as.default: aten.reshape.default}
+
+
+def sizes_as_arguments(gm: fx.GraphModule) -> int:
+    """Rewrite ``expand_as``/``view_as``/``reshape_as`` with the other tensor's (static) shape as a
+    size argument; returns how many changed."""
+    changed = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _SIZED_BY:
+            continue
+        x, other = node.args[:2]
+        size = list(other.meta["val"].shape) if isinstance(other, fx.Node) else None
+        if size is None or not all(isinstance(d, int) for d in size):
+            continue  # a size known only at run time: left as it is (run whole with the routing)
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(_SIZED_BY[node.target], (x, size))
         _take_over(gm, node, new)
         changed += 1
     if changed:

@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from sptransform.graph.placement import DimShard
-from sptransform.passes.canonicalize import narrow_as_slice, remove_dead_code, repeat_grouped_kv, split_bias
+from sptransform.passes.canonicalize import narrow_as_slice, remove_dead_code, repeat_grouped_kv, sizes_as_arguments, split_bias
 from sptransform.passes.localize import localize
 
 aten = torch.ops.aten
@@ -77,6 +77,24 @@ def test_narrow_as_slice_keeps_the_rows_including_negative_starts():
     assert narrow_as_slice(gm) == 3
     assert aten.narrow.default not in _targets(gm) and _targets(gm).count(aten.slice.Tensor) == 3
     torch.testing.assert_close(gm(x), Narrows()(x))
+
+
+class SizedByAnother(nn.Module):
+    def forward(self, mask, scores, flat):
+        return mask.expand_as(scores) * scores + flat.view_as(scores) + flat.reshape_as(scores)
+
+
+def test_sizes_taken_from_another_tensor_become_size_arguments():
+    """XLM's ``mask.view(...).expand_as(scores)``: under SP the other tensor's local shape would
+    size the op (refused by the shape safety net before this pass)."""
+    args = (torch.randn(2, 1, 1, 4) > 0, torch.randn(2, 3, 4, 4), torch.randn(2, 48))
+    gm = _export(SizedByAnother(), *args)
+    assert aten.expand_as.default in _targets(gm)
+    changed = sizes_as_arguments(gm)
+    assert changed >= 1 and not {aten.expand_as.default, aten.view_as.default, aten.reshape_as.default} & set(_targets(gm))
+    expands = [n for n in gm.graph.nodes if n.target is aten.expand.default]
+    assert [list(n.args[1]) for n in expands] == [[2, 3, 4, 4]]
+    torch.testing.assert_close(gm(*args), SizedByAnother()(*args))
 
 
 class GQA(nn.Module):
