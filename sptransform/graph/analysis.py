@@ -36,7 +36,9 @@ import torch.fx as fx
 
 from sptransform.capture import CapturedGraph
 from sptransform.graph.findings import EmbeddingMatch, LinearMatch, ModelAnalysis, Region
-from sptransform.graph.nodes import MOVES_ONLY, describe, routes, unbacked_dims, forward_closure, is_grouped_mm, packet, shape_of, tensor_nbytes
+from sptransform.graph.nodes import (
+    MOVES_ONLY, describe, forward_closure, is_grouped_mm, packet, routes, shape_of, tensor_nbytes, unbacked_dims,
+)
 from sptransform.graph.placement import DimShard, ParamPlacement, whole
 from sptransform.graph.reasons import divisibility_message, whole_reasons
 from sptransform.graph.rules.forward import READS_METADATA_ONLY

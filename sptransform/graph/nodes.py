@@ -257,7 +257,8 @@ def stand_in(size) -> int:
     (the same symbol always by the same one, so equal sizes stay equal)."""
     expr = size.node.expr if isinstance(size, torch.SymInt) else size
     symbols = sorted(expr.free_symbols, key=str)
-    values = {sym: _STAND_INS[int(str(sym).lstrip("u") or 0) % len(_STAND_INS)] for sym in symbols}
+    values = {sym: _STAND_INS[int("".join(c for c in str(sym) if c.isdigit()) or 0) % len(_STAND_INS)]
+              for sym in symbols}  # (u0, u1, ...: by the symbol's number, the same in every process)
     return int(expr.subs(values))
 
 

@@ -20,7 +20,6 @@ stays split along the sequence and blocks are entered by an all-gather.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 from typing import Container
 
@@ -28,9 +27,9 @@ import torch
 import torch.fx as fx
 
 from sptransform.graph.nodes import data_dependent, describe, routes, shape_of, unbacked_dims
-from sptransform.torch_internals import GuardOnDataDependentSymNode
 from sptransform.graph.placement import PARTIAL, REPLICATED, DimShard, whole
 from sptransform.graph.rules import Decision, RuleContext, ShardingError, forward_rule, gather_all, tensor_inputs
+from sptransform.torch_internals import GuardOnDataDependentSymNode
 
 # Relative cost of moving a tensor of B bytes (ring algorithms): what a placement change costs.
 _COST = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0, "cut": 0.25, "all_to_all": 1.25}

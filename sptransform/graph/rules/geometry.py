@@ -11,9 +11,9 @@ import torch
 import torch.fx as fx
 
 from sptransform.graph.nodes import describe, packet, shape_of, stand_in
-from sptransform.torch_internals import free_unbacked_symbols
 from sptransform.graph.placement import DimShard, whole
 from sptransform.graph.rules.base import ShardingError, norm_dim
+from sptransform.torch_internals import free_unbacked_symbols
 
 aten = torch.ops.aten
 
