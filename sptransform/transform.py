@@ -373,7 +373,8 @@ def _split_experts(gm: fx.GraphModule, build: Build) -> PassResult:
             "over the experts (bmm(x [E, T, K], w [E, K, N]), or an einsum 'etk,ekn->etn': every expert on every "
             "token) were found; experts applied another way (a loop over experts, an einsum that sums over them) are "
             "not split by ep yet: use ep=1 "
-            "(tp splits experts read by grouped_mm or bmm by their hidden dims)")
+            "(tp splits experts read by grouped_mm or bmm, or run in a loop on the rows routed to them, by their "
+            "hidden dims)")
     if problems:
         raise ValueError(f"ep={ep} cannot split the experts of this model: " + "\n  ".join(problems))
     build.expert_parallel = ExpertParallelPlan(group=groups.group, size=ep, rank=groups.rank, experts=experts)
