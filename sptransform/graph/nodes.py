@@ -245,8 +245,13 @@ def shape_of(node) -> tuple[int, ...] | None:
     (``unbacked_dims``)."""
     value = node.meta.get("val") if isinstance(node, fx.Node) else None
     if isinstance(value, torch.Tensor):
-        return tuple(stand_in(s) if free_unbacked_symbols(s) else int(s) for s in value.shape)
+        return tuple(size_of(s) for s in value.shape)
     return None
+
+
+def size_of(size) -> int:
+    """One size as an int: a static one as it is, one known only at run time by its ``stand_in``."""
+    return stand_in(size) if free_unbacked_symbols(size) else int(size)
 
 
 _STAND_INS = (1_000_003, 1_000_033, 1_000_037, 1_000_039)

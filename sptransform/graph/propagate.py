@@ -208,7 +208,7 @@ def _decide(node: fx.Node, result: Propagation, ctx: RuleContext, constant, sequ
 
 def _static_splits(node: fx.Node, decision: Decision) -> bool:
     """Whether every split the decision reads or makes is along a dim of static size."""
-    wanted = [(a, p) for a, p in decision.needs.items()] + [(node, decision.output)]
+    wanted = [*decision.needs.items(), (node, decision.output)]
     return all(not isinstance(p, DimShard) or p.dim not in unbacked_dims(a) for a, p in wanted)
 
 

@@ -50,8 +50,8 @@ from sptransform.graph.placement import PARTIAL, REPLICATED, DimShard, ParamPlac
 from sptransform.graph.plan import ParallelPlan
 from sptransform.graph.propagate import Propagation, move_kind
 from sptransform.graph.rules import ShardingError, is_split, local_slice_bounds, slice_bounds
-from sptransform.graph.nodes import data_dependent, describe, packet, routes, shape_of, stand_in
-from sptransform.torch_internals import free_unbacked_symbols, op_schema
+from sptransform.graph.nodes import data_dependent, describe, packet, routes, shape_of, size_of
+from sptransform.torch_internals import op_schema
 from sptransform.passes.base import insert_bucket
 from sptransform.passes.localize import index_table, localize, localize_split
 from sptransform.runtime.collectives import copy_to_tp, gather_output, gather_seq, reduce_from_tp, scatter_seq, sync_grads
@@ -105,7 +105,7 @@ def _local_value(value, placement, tp: int):
     """A fake tensor of the local shape ``placement`` gives ``value`` (a global fake tensor)."""
     if not isinstance(value, torch.Tensor):
         return value
-    shape = [stand_in(s) if free_unbacked_symbols(s) else s for s in value.shape]
+    shape = [size_of(s) for s in value.shape]
     if isinstance(placement, DimShard):
         shape[placement.dim] = placement.local_size(tp)
     return torch.empty(shape, dtype=value.dtype, device=value.device)
@@ -144,8 +144,8 @@ def check_local_shapes(gm: fx.GraphModule, prop: Propagation, nodes: list[fx.Nod
                 value = a.meta.get("val")
                 if isinstance(value, (tuple, list)):
                     return [_local_value(v, p, plan.tp) for v, p in zip(value, placement_of(a))]
-                if isinstance(value, torch.SymInt) and free_unbacked_symbols(value):
-                    return stand_in(value)
+                if isinstance(value, torch.SymInt):
+                    return size_of(value)
                 return _local_value(value, placement_of(a), plan.tp)
 
             try:

@@ -110,12 +110,16 @@ def agree_on_graph(groups: Sequence[dist.ProcessGroup], ranks: Sequence[int], fi
     # rank does not compute is where the two start to differ (whatever order each traced in)
     theirs = set(hashes[other])
     first = next((i for i, h in enumerate(fingerprint.hashes) if h not in theirs), len(fingerprint.hashes))
-    here = f"here it is {describe(fingerprint.nodes[first])}" if first < len(fingerprint.nodes) else "none"
+    if first < len(fingerprint.nodes):
+        where = (f"first differs from rank {ranks[other]}'s at its node {first}, which rank {ranks[other]} does not "
+                 f"compute: here it is {describe(fingerprint.nodes[first])}")
+    else:
+        where = f"is all computed by rank {ranks[other]} too, whose graph has more"
     raise ValueError(
         "the ranks captured different graphs from the model: ranks "
         + " vs ".join(str(sorted(rs)) for rs in kinds.values())
-        + f" ({', '.join(str(r[2]) for r in table)} nodes). This rank's ({dist.get_rank()}) graph first differs from "
-        f"rank {ranks[other]}'s at its node {first}, which rank {ranks[other]} does not compute: {here}. Every rank must trace the same program: the forward may not "
+        + f" ({', '.join(str(r[2]) for r in table)} nodes). This rank's ({dist.get_rank()}) graph {where}. "
+        "Every rank must trace the same program: the forward may not "
         "depend on the rank (dist.get_rank(), the device index, environment variables), and the model's config, "
         "flags and submodules must be the same on every rank; the parallel model would otherwise compute another "
         "function on some ranks without an error")

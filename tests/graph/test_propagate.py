@@ -421,5 +421,5 @@ def test_ops_on_routed_rows_are_split_along_static_dims_and_the_routing_runs_who
         for a, p in [*prop.reads[node].items(), (node, prop.placement[node])]:
             assert not isinstance(p, DimShard) or p.dim not in unbacked_dims(a), (node, a, p)
     # each expert's partial sum is reduced (on its rows), and nothing else moves
-    assert [(k, n.target) for k, n in ((k, next(x for x in nodes if x.name == name)) for k, name in _moves(prop))] \
-        == [("all_reduce", aten.linear.default)] * 2
+    by_name = {n.name: n for n in nodes}
+    assert [(kind, by_name[name].target) for kind, name in _moves(prop)] == [("all_reduce", aten.linear.default)] * 2

@@ -10,10 +10,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from sptransform.graph.nodes import describe, packet, shape_of, stand_in
+from sptransform.graph.nodes import describe, packet, shape_of, size_of
 from sptransform.graph.placement import DimShard, whole
 from sptransform.graph.rules.base import ShardingError, norm_dim
-from sptransform.torch_internals import free_unbacked_symbols
 
 aten = torch.ops.aten
 
@@ -147,8 +146,7 @@ def split_chunks(node: fx.Node) -> list[tuple[int, int]]:
     d = split_dim(node)
     out, off = [], 0
     for v in vals:
-        size = (stand_in(v.shape[d]) if free_unbacked_symbols(v.shape[d]) else int(v.shape[d])) \
-            if packet(node) is not aten.unbind else 1  # (chunks sized by routing counts: their stand-ins)
+        size = size_of(v.shape[d]) if packet(node) is not aten.unbind else 1  # (routing counts: stand-ins)
         out.append((off, size))
         off += size
     return out
