@@ -125,7 +125,7 @@ class Build:
     def layer_rows(self) -> list[tuple[fx.Node, int]]:
         """(row-parallel linear, its layer) of every region: the gradient buckets' layers."""
         analysis = self.analysis if self.analysis is not None else self.single_device_analysis
-        return [(r.row.node, r.layer) for r in analysis.regions] if analysis is not None else []
+        return [(lm.node, r.layer) for r in analysis.regions for lm in r.rows] if analysis is not None else []
 
 
 def _tensor_parallel(build: Build) -> bool:
@@ -196,7 +196,8 @@ def _kept_outputs(build: Build) -> set[fx.Node]:
 
 def _split_bias(gm: fx.GraphModule, build: Build) -> PassResult:
     for region in build.analysis.regions:
-        split_bias(gm, region.row.node)
+        for row in region.rows:
+            split_bias(gm, row.node)
     return PassResult(gm, bool(build.analysis.regions))
 
 

@@ -29,7 +29,7 @@ a block's sizes do not allow, are ``graph.reasons``. Nothing here reads module p
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Container
+from typing import Container, Sequence
 
 import torch
 import torch.fx as fx
@@ -312,11 +312,16 @@ def find_loss(graph: fx.Graph, head: fx.Node | None) -> fx.Node | None:
 
 
 def trace_region(
-    graph: fx.Graph, row: LinearMatch, linears: dict[fx.Node, LinearMatch], derived: set[fx.Node], tp: int,
-    exits: Container[fx.Node] = (),
+    graph: fx.Graph, row: LinearMatch | Sequence[LinearMatch], linears: dict[fx.Node, LinearMatch],
+    derived: set[fx.Node], tp: int, exits: Container[fx.Node] = (),
 ) -> Region:
     """Walk back from ``row``'s input asking each op how its inputs must be split; raise
     ``ShardingError`` if no column-parallel linear is reached.
+
+    ``row`` may be several row-parallel linears walked together: experts run one after another
+    on the chunks of one ``split`` of a shared tensor (JetMoE's ``inputs.split(expert_size)``)
+    each read one chunk, so no single walk can carry a split past the ``split``, which needs
+    every chunk's; together they can, and they form one block.
 
     Where a required split cannot be carried further back (a reshape that would split fewer
     K/V heads than tp, a norm over the split features, a parameter used per head), the walk
@@ -324,7 +329,9 @@ def trace_region(
     propagation cuts it to the split its readers need. The region keeps the linears it did
     reach; the ones behind a cut run replicated. ``exits``: outputs that may read the region's
     split tensors (returned split: a KV cache's keys and values)."""
-    x = row.input
+    rows = [row] if isinstance(row, LinearMatch) else list(row)
+    row = rows[0]
+    row_nodes = {r.node for r in rows}
     order = list(graph.nodes)
     position = {n: i for i, n in enumerate(order)}
     pending: dict[fx.Node, DimShard] = {}
@@ -340,12 +347,15 @@ def trace_region(
         if node in pending and pending[node] != spec:
             raise ShardingError(f"{describe(node)} is needed split in two different ways")
 
-    in_dim = row.input_dim % len(shape_of(x))
-    start = whole(in_dim, shape_of(x)[in_dim])
-    check(x, start)
-    pending[x] = start
     slice_pending: dict[fx.Node, list[tuple[fx.Node, DimShard]]] = defaultdict(list)
-    for node in reversed(order[: position[x] + 1]):
+    for r in rows:
+        x = r.input
+        in_dim = r.input_dim % len(shape_of(x))
+        start = whole(in_dim, shape_of(x)[in_dim])
+        check(x, start)
+        pending[x] = start
+    last = max(position[r.input] for r in rows)
+    for node in reversed(order[: last + 1]):
         if node in slice_pending:  # a fused output taken apart with slices: they are its segments
             pieces = slice_pending.pop(node)
             d = pieces[0][1].dim
@@ -376,7 +386,7 @@ def trace_region(
         spec = pending.pop(node)
         if routes(node) or spec.dim in unbacked_dims(node):
             raise ShardingError(f"{describe(node)}: its shape depends on the data (token routing); it runs whole")
-        if node in linears and node is not row.node:
+        if node in linears and node not in row_nodes:
             if spec.dim == linears[node].output_dim % len(shape_of(node)):
                 columns[node] = spec
                 specs[node] = spec
@@ -430,7 +440,7 @@ def trace_region(
         raise ShardingError(f"{describe(row.node)}: no column-parallel linear feeds it (the walk stopped at {[c.name for c, _ in cuts]})")
     # A split tensor that something outside the region reads whole (the statistics of a norm
     # over the features, a residual stream) means the walk crossed a block boundary.
-    inside = set(specs) | {row.node}
+    inside = set(specs) | row_nodes
     for node in specs:
         for user in node.users:
             if user not in inside and user not in exits and packet(user) not in READS_METADATA_ONLY:  # new_empty: dtype and device
@@ -440,7 +450,7 @@ def trace_region(
     ) or any(packet(n) in (aten.scaled_dot_product_attention, aten.softmax, aten._softmax) for n, _ in cuts) else "mlp"
     return Region(
         row=row, columns=columns, specs=specs, cuts=cuts, kind=kind,
-        column_linears={n: linears[n] for n in columns},
+        column_linears={n: linears[n] for n in columns}, more_rows=tuple(rows[1:]),
     )
 
 
@@ -476,11 +486,20 @@ def analyze(captured: CapturedGraph, tp: int, exits: Container[fx.Node] = ()) ->
         except ShardingError as err:
             workable = [c for c in range(1, 65) if _walks(graph, lm, linears, derived, c)]
             indivisible.append(divisibility_message(structure, tp, err, workable))
+    for group in _rows_on_one_split(graph, [linears[n] for n in failures]):
+        try:
+            trace_region(graph, group, linears, derived, 1, exits)
+            region = trace_region(graph, group, linears, derived, tp, exits)
+        except ShardingError:
+            continue  # each keeps its own reason
+        regions.append(region)
+        for lm in group:
+            failures.pop(lm.node)
     if indivisible:  # every block that tp does not divide, at once
         raise ShardingError(indivisible[0] if len(indivisible) == 1 else
                             f"{len(indivisible)} blocks cannot be split over tp={tp}:\n  " + "\n  ".join(indivisible))
     regions = _non_overlapping_regions(regions, failures)
-    assigned = {r.row.node for r in regions} | {c for r in regions for c in r.columns}
+    assigned = {lm.node for r in regions for lm in r.rows} | {c for r in regions for c in r.columns}
     seen_columns: set[fx.Node] = set()
     for r in regions:
         if seen_columns & set(r.columns):
@@ -527,6 +546,16 @@ def analyze(captured: CapturedGraph, tp: int, exits: Container[fx.Node] = ()) ->
     )
 
 
+def _rows_on_one_split(graph: fx.Graph, failed: list[LinearMatch]) -> list[list[LinearMatch]]:
+    """Linears whose walks failed and that read chunks of one ``split`` (the same tensor cut
+    into per-expert row groups): candidates for one block walked from all of them."""
+    groups: dict[fx.Node, list[LinearMatch]] = defaultdict(list)
+    for lm in failed:
+        if lm.weight_piece is None and is_getitem(lm.input) and is_split(lm.input.args[0]):
+            groups[lm.input.args[0]].append(lm)
+    return [group for group in groups.values() if len(group) > 1]
+
+
 def _non_overlapping_regions(regions: list[Region], failures: dict[fx.Node, ShardingError]) -> list[Region]:
     """A linear is either a block's row-parallel end or a column of another block, not both: a
     low-rank gate ``g_b(g_a(x))`` pairs into a block of its own while ``g_b`` also feeds the
@@ -541,12 +570,14 @@ def _non_overlapping_regions(regions: list[Region], failures: dict[fx.Node, Shar
     columns: set[fx.Node] = set()
     for i in sorted(range(len(regions)), key=lambda i: -len(regions[i].columns)):
         region = regions[i]
-        if region.row.node in columns or rows & set(region.columns):
-            failures[region.row.node] = ShardingError(
-                f"{describe(region.row.node)}: its block shares a linear with a larger block, which takes its split")
+        its_rows = {lm.node for lm in region.rows}
+        if its_rows & columns or rows & set(region.columns):
+            for node in its_rows:
+                failures[node] = ShardingError(
+                    f"{describe(node)}: its block shares a linear with a larger block, which takes its split")
             continue
         kept.add(i)
-        rows.add(region.row.node)
+        rows |= its_rows
         columns |= set(region.columns)
     return [r for i, r in enumerate(regions) if i in kept]
 
@@ -725,9 +756,9 @@ def parameter_placements(analysis: ModelAnalysis, tp: int) -> dict[str, ParamPla
                                                      stored_whole=whole_storage))
             if lm.bias_name and lm.bias_piece is None:
                 place(lm.bias_name, ParamPlacement(spec.with_dim(0), "column-parallel bias", stored_whole=whole_storage))
-        row = region.row
-        place(row.weight_name, ParamPlacement(whole(row.weight_in_dim, row.in_features),
-                                              "row-parallel experts' weight" if row.per_group else "row-parallel weight"))
+        for row in region.rows:
+            place(row.weight_name, ParamPlacement(whole(row.weight_in_dim, row.in_features),
+                                                  "row-parallel experts' weight" if row.per_group else "row-parallel weight"))
     for name, spec in analysis.fused.items():
         place(name, ParamPlacement(spec, "column-parallel, in pieces", stored_whole=not _has_dtensor_placement(spec)))
     head = analysis.head

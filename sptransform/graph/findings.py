@@ -84,6 +84,12 @@ class Region:
     column_linears: dict[fx.Node, LinearMatch] = field(default_factory=dict)
     kind: Literal["attention", "mlp"] = "mlp"
     layer: int = 0
+    more_rows: tuple[LinearMatch, ...] = ()
+    """Row-parallel linears walked together with ``row`` (experts run on the chunks of one split)."""
+
+    @property
+    def rows(self) -> tuple[LinearMatch, ...]:
+        return (self.row, *self.more_rows)
 
 
 @dataclass

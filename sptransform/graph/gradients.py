@@ -35,6 +35,7 @@ import torch.fx as fx
 from sptransform.graph.placement import PARTIAL, REPLICATED
 from sptransform.graph.propagate import Propagation
 from sptransform.graph.placement import DimShard
+from sptransform.graph.rules.geometry import is_getitem, is_split
 
 
 @dataclass
@@ -61,6 +62,11 @@ def _split_or_partial(placement) -> bool:
     if isinstance(placement, tuple):
         return any(_split_or_partial(p) for p in placement if p is not None)
     return isinstance(placement, DimShard) or placement == PARTIAL
+
+
+def _chunk(node: fx.Node) -> bool:
+    """A chunk of a ``split``: its gradient is laid into the split input's gradient as it is."""
+    return is_getitem(node) and is_split(node.args[0])
 
 
 def needs_gradient(gm: fx.GraphModule, sources: set[fx.Node]) -> set[fx.Node]:
@@ -97,8 +103,13 @@ def gradient_plan(
             continue
         placement = prop.placement.get(node)
         if isinstance(placement, tuple):  # several outputs: gradient arrives through the getitems
-            if all(p in (REPLICATED, None) for p in placement):
-                items = [u for u in node.users if u.target is operator.getitem]
+            items = [u for u in node.users if u.target is operator.getitem]
+            if not all(p in (REPLICATED, None) for p in placement):
+                for item in items:  # no deferral past a split that is not replicated throughout
+                    if state.get(item) == "partial" and item in deferred:
+                        plan.f_edges[item] = deferred.pop(item)
+                        state[item] = "full"
+            else:
                 kinds = {state.get(u, "full") for u in items}
                 if kinds == {"partial"}:
                     state[node] = "partial"
@@ -119,8 +130,11 @@ def gradient_plan(
         partial = [u for u, k in kinds.items() if k == "partial"]
         if not partial:
             state[node] = "full"
-        elif node in constant and len(partial) == len(kinds):
-            state[node] = "partial"  # stays partial back to the parameters (replicated ops are linear)
+        elif (node in constant or _chunk(node)) and len(partial) == len(kinds):
+            # Stays partial back to the parameters (replicated ops are linear), or back through the
+            # split it is a chunk of: the chunks' partial gradients meet at the split's input, where
+            # one f sums them all instead of one per chunk (experts run on groups of rows).
+            state[node] = "partial"
             deferred[node] = partial
         else:
             plan.f_edges[node] = partial

@@ -121,15 +121,25 @@ def routes(node) -> bool:
     if not data_dependent(node):
         return False
     value = val(node)
-    if not isinstance(value, torch.Tensor):
+    if not _tensors(value):  # a size, a comparison, an assertion
         return True
     read = set().union(*(free_unbacked_symbols(val(n)) for n in node.all_input_nodes))
     return bool(free_unbacked_symbols(value) - read)
 
 
-def unbacked_dims(node) -> set[int]:
-    """The dims of ``node``'s tensor whose size is known only at run time (``u0``)."""
+def _tensors(value) -> bool:
+    """A tensor, or the chunks of a ``split`` (sized by run-time counts it reads, not new ones)."""
+    if isinstance(value, (list, tuple)):
+        return bool(value) and all(isinstance(v, torch.Tensor) for v in value)
+    return isinstance(value, torch.Tensor)
+
+
+def unbacked_dims(node, index: int | None = None) -> set[int]:
+    """The dims of ``node``'s tensor (its chunk ``index``, for a ``split``) whose size is known
+    only at run time (``u0``)."""
     value = val(node)
+    if index is not None and isinstance(value, (list, tuple)):
+        value = value[index]
     if not isinstance(value, torch.Tensor):
         return set()
     return {d for d, size in enumerate(value.shape) if free_unbacked_symbols(size)}

@@ -208,8 +208,12 @@ def _decide(node: fx.Node, result: Propagation, ctx: RuleContext, constant, sequ
 
 def _static_splits(node: fx.Node, decision: Decision) -> bool:
     """Whether every split the decision reads or makes is along a dim of static size."""
-    wanted = [*decision.needs.items(), (node, decision.output)]
-    return all(not isinstance(p, DimShard) or p.dim not in unbacked_dims(a) for a, p in wanted)
+    wanted = [(a, p, None) for a, p in decision.needs.items()]
+    if isinstance(decision.output, (list, tuple)):  # a split's chunks
+        wanted += [(node, p, i) for i, p in enumerate(decision.output)]
+    else:
+        wanted.append((node, decision.output, None))
+    return all(not isinstance(p, DimShard) or p.dim not in unbacked_dims(a, i) for a, p, i in wanted)
 
 
 def _decide_by_rules(node: fx.Node, result: Propagation, ctx: RuleContext, constant, sequence) -> Decision:

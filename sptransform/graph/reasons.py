@@ -34,7 +34,7 @@ def whole_reasons(captured: CapturedGraph, linears: dict[fx.Node, LinearMatch], 
     reading it were placed, else which ops read it."""
     split: set[str] = set()
     for region in regions:
-        split.add(region.row.weight_name)
+        split.update(lm.weight_name for lm in region.rows)
         for lm in region.column_linears.values():
             split.update(n for n in (lm.weight_name, lm.bias_name) if n)
     if head is not None:

@@ -204,7 +204,7 @@ def find_stage_cuts(flow: GraphFlow, analysis: ModelAnalysis | None, num_stages:
 
 def _residual_blocks(flow: GraphFlow, analysis: ModelAnalysis | None) -> list[ResidualBlock]:
     attention = [] if analysis is None else [
-        n for r in analysis.regions if r.kind == "attention" for n in (r.row.node, *r.columns)]
+        n for r in analysis.regions if r.kind == "attention" for n in (*(lm.node for lm in r.rows), *r.columns)]
     nodes = [n for n in flow.nodes if n.op == "placeholder" or n in flow.needed]
     return find_residual_blocks(nodes, flow.state, attention=attention)
 

@@ -150,6 +150,7 @@ def check_local_shapes(gm: fx.GraphModule, prop: Propagation, nodes: list[fx.Nod
 
             try:
                 args, kwargs = fx.node.map_arg((node.args, node.kwargs), local)
+                args = _split_on_stand_ins(node, args)
                 out = node.target(*args, **kwargs)
             except Exception as err:  # the op cannot even run on the local shapes
                 problems.append(f"{describe(node)}: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
@@ -171,6 +172,30 @@ def check_local_shapes(gm: fx.GraphModule, prop: Propagation, nodes: list[fx.Nod
                     break  # one line per op, not one per output
     if problems:
         raise ShardingError("the parallel graph would compute on wrong shapes; no rule covers:\n  " + "\n  ".join(problems))
+
+
+def _resized(x: torch.Tensor, d: int, size) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[d % x.dim()] = size
+    return x.new_empty(shape)
+
+
+def _split_on_stand_ins(node: fx.Node, args: tuple) -> tuple:
+    """Run-time sizes that add up to a static one (tokens cut into per-expert groups and laid
+    back): on the stand-ins they no longer add up, so ``split_with_sizes(x, [u0, u1, u2])``
+    runs on ``x`` resized along the split dim to their sum, and ``index_add(x, d, ids, rows)``
+    on ``rows`` resized along ``d`` to the number of ids. The dims the check is about (the
+    others) are untouched."""
+    if not data_dependent(node):
+        return args
+    if packet(node) is aten.split_with_sizes:
+        x, sizes, *rest = args
+        d = rest[0] if rest else node.kwargs.get("dim", 0)
+        return (_resized(x, d, sum(sizes)), sizes, *rest)
+    if packet(node) is aten.index_add:
+        x, d, ids, rows, *rest = args
+        return (x, d, ids, _resized(rows, d, ids.numel()), *rest)
+    return args
 
 
 def _has_size_argument(node: fx.Node) -> bool:

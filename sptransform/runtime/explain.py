@@ -125,6 +125,12 @@ def _expert_lines(graph) -> list[str]:
     return lines
 
 
+def _rows_label(region) -> str:
+    names = list(dict.fromkeys(lm.weight_label for lm in region.rows))
+    count = f" ({len(region.rows)} linears)" if len(region.rows) > 1 else ""
+    return ", ".join(names) + count
+
+
 def explain(graph, options) -> str:
     plan, analysis = graph.plan, graph.analysis
     lines = [f"sptransform: tp={options.tp} sp={options.sp} dropout_rng={options.dropout_rng}"]
@@ -134,7 +140,7 @@ def explain(graph, options) -> str:
     lines.append("regions:")
     for region in analysis.regions:
         cols = ", ".join(region.column_linears[c].weight_label for c in region.columns)
-        lines.append(f"  layer {region.layer:>3} {region.kind:<9} columns [{cols}] -> row {region.row.weight_name}")
+        lines.append(f"  layer {region.layer:>3} {region.kind:<9} columns [{cols}] -> row {_rows_label(region)}")
     if analysis.head is not None:
         lines.append(f"  head {analysis.head.weight_name} (vocab-parallel), loss: {'vocab-parallel cross-entropy' if analysis.loss is not None else 'none'}")
     if plan is None:

@@ -144,3 +144,40 @@ def test_an_attention_that_subtracts_the_row_maximum_is_split_by_heads():
     attention = [r for r in analyze(captured, 2).regions if r.kind == "attention"]
     assert [r.row.weight_name for r in attention] == ["o.weight"]
     assert {attention[0].column_linears[c].weight_name for c in attention[0].columns} == {"q.weight", "k.weight", "v.weight"}
+
+
+class _ExpertGroups(torch.nn.Module):
+    """JetMoE's and ScatterMoE's way: the token-expert pairs sorted by expert, cut into one group of
+    rows per expert with the counts ``.tolist()`` gives, each group through its expert, joined
+    by ``cat``; the down projections on a second cut of the joined activations."""
+
+    def __init__(self, experts=3, hidden=8, inner=16):
+        super().__init__()
+        self.router = torch.nn.Linear(hidden, experts, bias=False)
+        self.up = torch.nn.Parameter(torch.randn(experts, 2 * inner, hidden))
+        self.down = torch.nn.Parameter(torch.randn(experts, hidden, inner))
+
+    def forward(self, x):  # x: [tokens, hidden]
+        choice = self.router(x).argmax(-1)
+        order = choice.argsort(stable=True)
+        counts = torch.nn.functional.one_hot(choice, self.up.shape[0]).sum(0).tolist()
+        groups = x[order].split(counts)
+        a = torch.cat([torch.nn.functional.linear(g, self.up[e]) for e, g in enumerate(groups)])
+        gate, up = a.chunk(2, dim=-1)
+        a = torch.nn.functional.silu(gate) * up
+        y = torch.cat([torch.nn.functional.linear(g, self.down[e]) for e, g in enumerate(a.split(counts))])
+        return torch.zeros_like(x).index_add(0, order, y)
+
+
+def test_experts_run_on_the_groups_of_one_split_form_one_block_with_a_row_linear_per_expert():
+    """No walk back from one expert's down projection can carry a split past the ``split``, which
+    needs every chunk's; walked together from all of them they form one block whose columns are
+    every expert's up projection, the fused gate|up split in two segments."""
+    analysis = _analyze(_ExpertGroups(), (torch.randn(16, 8),))
+    assert len(analysis.regions) == 1
+    region = analysis.regions[0]
+    assert len(region.rows) == 3 and {r.weight_name for r in region.rows} == {"down"}
+    assert {region.column_linears[c].weight_name for c in region.columns} == {"up"}
+    assert set(region.columns.values()) == {DimShard(1, ((0, 16), (16, 16)))}
+    split, = [n for n in region.specs if n.target is torch.ops.aten.split_with_sizes.default]
+    assert region.specs[split] == whole(1, 16)  # the activations' cut: along the features, never the rows

@@ -423,3 +423,56 @@ def test_ops_on_routed_rows_are_split_along_static_dims_and_the_routing_runs_who
     # each expert's partial sum is reduced (on its rows), and nothing else moves
     by_name = {n.name: n for n in nodes}
     assert [(kind, by_name[name].target) for kind, name in _moves(prop)] == [("all_reduce", aten.linear.default)] * 2
+
+
+class ExpertGroups(nn.Module):
+    """Experts run one after another on the groups of rows of one ``split`` (JetMoE's loop), the
+    groups' outputs joined by ``cat``."""
+
+    def __init__(self, experts: int = 3):
+        super().__init__()
+        self.gate = nn.Linear(8, experts, bias=False)
+        self.up = nn.ModuleList(nn.Linear(8, 16, bias=False) for _ in range(experts))
+        self.down = nn.ModuleList(nn.Linear(16, 8, bias=False) for _ in range(experts))
+        self.scale = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):  # x: [16, 8]
+        x = x * self.scale  # so that the rows need a gradient
+        choice = self.gate(x).argmax(-1)
+        order = choice.argsort(stable=True)
+        counts = F.one_hot(choice, len(self.up)).sum(0).tolist()
+        a = torch.cat([up(g) for up, g in zip(self.up, x[order].split(counts))])
+        a = F.gelu(a)
+        y = torch.cat([down(g) for down, g in zip(self.down, a.split(counts))])
+        return torch.zeros_like(x).index_add(0, order, y)
+
+
+def test_experts_on_the_groups_of_a_split_reduce_once_and_sum_their_input_gradients_once():
+    """The joined partial sums of the down projections stay one partial sum (``cat`` of partial
+    sums only), reduced once where ``index_add`` reads them; the chunks' partial input gradients
+    meet at the split's input, summed by one f there, not one per expert."""
+    seeds = {f"up.{e}.weight": whole(0, 16) for e in range(3)} | {f"down.{e}.weight": whole(1, 16) for e in range(3)}
+    gm, prop, grads, _ = _run(ExpertGroups(), (torch.randn(16, 8),), seeds)
+    cat_up, cat_down = [n for n in gm.graph.nodes if n.target is aten.cat.default]
+    assert prop.placement[cat_up] == whole(1, 16) and prop.placement[cat_down] == PARTIAL
+    by_name = {n.name: n for n in gm.graph.nodes}
+    assert [(kind, by_name[name].target) for kind, name in _moves(prop)] == [("all_reduce", aten.cat.default)]
+    split = next(n for n in gm.graph.nodes if n.target is aten.split_with_sizes.default)
+    assert list(grads.f_edges) == [split.args[0]] and grads.f_edges[split.args[0]] == [split]
+
+
+def test_a_cat_of_partial_sums_and_a_replicated_piece_is_reduced_first():
+    """A replicated piece beside partial ones would be counted tp times: the join reads them reduced."""
+    from sptransform.graph.rules.registry import forward_rule
+    from sptransform.graph.rules import RuleContext
+
+    class Join(nn.Module):
+        def forward(self, a, b):
+            return torch.cat([a * 2, b * 3])
+
+    captured, _ = _graph(Join(), torch.randn(4, 8), torch.randn(4, 8))
+    cat = _node(captured.gm, aten.cat)
+    a, b = cat.args[0]
+    ctx = RuleContext(tp=2, is_constant=lambda n: False)
+    assert forward_rule(cat, {a: PARTIAL, b: PARTIAL}.get, ctx).output == PARTIAL
+    assert forward_rule(cat, {a: PARTIAL, b: REPLICATED}.get, ctx) is None  # the caller reduces first

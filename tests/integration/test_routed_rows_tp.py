@@ -24,7 +24,7 @@ BATCH, SEQ = 2, 8
 
 CONFIGS = st.builds(
     RoutedConfig,
-    dispatch=st.sampled_from(["loop", "loop_stacked"]),
+    dispatch=st.sampled_from(["loop", "loop_stacked", "split"]),
     layout=st.sampled_from(["out_in", "in_out"]),
     experts=st.sampled_from([2, 3, 4]),
     top_k=st.sampled_from([1, 2]),

@@ -49,7 +49,11 @@ class RoutedConfig:
     count known only at run time), summed back with ``index_add`` (``combine="index_add_"``: in
     place into zeros; otherwise out of place); ``loop_stacked``: the same loop over one 3-D
     parameter per projection, expert ``e``'s weight its slice ``W[e]`` (in ``layout``), its bias
-    ``b[e]`` added after the product."""
+    ``b[e]`` added after the product; ``split``: JetMoE's and ScatterMoE's way, the pairs sorted
+    by expert, cut into one group of rows per expert by ``split`` with the counts ``.tolist()``
+    gives, each group through its expert's slice ``W[e]``, the groups joined by ``cat`` (the gate
+    taken apart by ``chunk``), cut again for the down projections, joined, and summed back to
+    tokens with ``index_add``."""
 
 
 class RoutedMLP(nn.Module):
@@ -161,12 +165,36 @@ class RoutedMLP(nn.Module):
                 out = out.index_add(0, tokens, y)
         return out
 
+    def _split_groups(self, h, weights, idx):
+        c = self.c
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)
+        tokens = order // c.top_k
+        w = weights.reshape(-1)[order].unsqueeze(-1)
+        counts = F.one_hot(flat, c.experts).sum(0).tolist()
+        rows = h[tokens]
+        if c.weights_before:
+            rows = rows * w
+        a = torch.cat([self._expert_linear(e, "up", group) for e, group in enumerate(rows.split(counts, dim=0))])
+        if c.gated:
+            gate, up = a.chunk(2, dim=-1)
+            a = F.silu(gate) * up
+        else:
+            a = F.gelu(a)
+        y = torch.cat([self._expert_linear(e, "down", group) for e, group in enumerate(a.split(counts, dim=0))])
+        y = y if c.weights_before else y * w
+        if c.combine == "index_add_":
+            out = torch.zeros_like(h)
+            out.index_add_(0, tokens, y)
+            return out
+        return torch.zeros_like(h).index_add(0, tokens, y)
+
     def forward(self, x):
         c = self.c
         h = x.reshape(-1, c.hidden)
         weights, idx = self._route(h)
-        if c.dispatch in ("loop", "loop_stacked"):
-            out = self._loop(h, weights, idx)
+        if c.dispatch in ("loop", "loop_stacked", "split"):
+            out = self._split_groups(h, weights, idx) if c.dispatch == "split" else self._loop(h, weights, idx)
             if self.shared is not None:
                 out = out + self.shared(h)
             return out.view_as(x)

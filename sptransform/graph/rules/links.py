@@ -179,6 +179,17 @@ def index_select_links(node: fx.Node) -> tuple[Links, set[int]]:
     return [(node.args[0], {o: o for o in range(n)})], {norm_dim(node.args[1], n)}
 
 
+def index_add_links(node: fx.Node) -> tuple[Links, set[int]]:
+    """``index_add(x, dim, ids, source)``: rows of ``source`` added into the rows ``ids`` of ``x``
+    along ``dim`` (experts' outputs laid back where their tokens came from). Every other dim
+    links to ``x``'s and ``source``'s alike; ``dim`` itself cannot be split (any row of ``x`` may
+    receive any row of ``source``); ``ids`` is read whole."""
+    n = len(shape_of(node))
+    d = norm_dim(node.args[1], n)
+    kept = {o: o for o in range(n) if o != d}
+    return [(node.args[0], kept), (node.args[3], kept)], {d}
+
+
 def index_links(node: fx.Node) -> tuple[Links, set[int]]:
     """``index(x, [None, ids, None])``: advanced indexing by integer tensors in adjacent dims.
     The dims no index reads link to ``x``'s (so ``W[ids]`` of an expert weight ``[E, N, K]``

@@ -61,7 +61,7 @@ from sptransform.graph.rules.geometry import SPLIT_PACKETS, VIEWS
 from sptransform.graph.rules.links import (
     POINTWISE as POINTWISE_PACKETS, REDUCING_OVERLOADS, REDUCTIONS, addmm_links, grouped_mm_links, reduction_links,
     CONVOLUTIONS, TRIANGLES, cat_links, conv_links, embedding_links, triangle_links,
-    expand_links, index_links, index_select_links, linear_links, matmul_links, norm_links,
+    expand_links, index_add_links, index_links, index_select_links, linear_links, matmul_links, norm_links,
     permute_links, pointwise_links,
     repeat_interleave_links, sdpa_links, select_links, slice_links, squeeze_links, t_links, transpose_links,
     unsqueeze_links,
@@ -113,6 +113,7 @@ RULES: dict[object, OpRule] = {
     # gave a KV-cache decode with one K/V head wrong logits (its self-check caught it)
     aten.cat: OpRule(cat_links, linked_forward, cat_backward),
     aten.index_select: OpRule(index_select_links, linked_forward, linked_backward),
+    aten.index_add: OpRule(index_add_links, linked_forward, linked_backward),
     aten.index: OpRule(index_links, linked_forward, linked_backward),
     **{p: OpRule(conv_links, linked_forward, linked_backward) for p in CONVOLUTIONS},
     **{p: OpRule(triangle_links, linked_forward, linked_backward) for p in TRIANGLES},
@@ -173,6 +174,8 @@ def forward_rule(node: fx.Node, placement_of: PlacementOf, ctx: RuleContext) -> 
         # Anything else, even a linear op, reads them reduced: the caller chooses the reduction.
         if rule is not None and rule.moves_data_only and len(current) == 1 and len(inputs[0].users) == 1:
             return Decision({a: PARTIAL for a in inputs}, same_for_each_output(node, PARTIAL))
+        if _joins_partial_sums(node, current):
+            return Decision({a: PARTIAL for a in inputs}, PARTIAL)
         return None
     decision = None
     if rule is not None and rule.forward is not None:
@@ -180,6 +183,15 @@ def forward_rule(node: fx.Node, placement_of: PlacementOf, ctx: RuleContext) -> 
     if decision is None:
         decision = dtensor_forward(node, current, ctx.tp)
     return decision if decision is not None else gather_all(node, inputs)
+
+
+def _joins_partial_sums(node: fx.Node, current: dict) -> bool:
+    """``cat``/``stack`` of partial sums only (experts' row-parallel outputs laid end to end):
+    the pieces of a sum are the sum of the pieces, so the joined tensor is a partial sum and one
+    reduction of it replaces one per piece. Each piece must be read by the join alone; a
+    replicated piece would be counted ``tp`` times."""
+    return (packet(node) in (aten.cat, aten.stack) and all(p == PARTIAL for p in current.values())
+            and all(len(a.users) == 1 for a in current))
 
 
 def gather_all(node: fx.Node, inputs: list[fx.Node]) -> Decision:
