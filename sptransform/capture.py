@@ -50,6 +50,8 @@ class CapturedGraph:
     in_spec: pytree.TreeSpec
     out_spec: pytree.TreeSpec
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    tied: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Parameter name -> every name of the one tensor it shares with others (a tied embedding and head)."""
     lost_draws: int = 0
     """Random draws (dropout, ...) of the forward that functionalization erased because no output
     reads them: the single device still draws them, so every later draw of the graph comes
@@ -370,8 +372,16 @@ def _capture(template: FakeTemplate, args: tuple, kwargs: dict) -> CapturedGraph
         in_spec=ep.call_spec.in_spec,
         out_spec=ep.call_spec.out_spec,
         constants=constants,
+        tied=_tied_names(template.module),
         lost_draws=lost_draws,
     )
+
+
+def _tied_names(module: torch.nn.Module) -> dict[str, tuple[str, ...]]:
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return {name: tuple(group) for group in names.values() if len(group) > 1 for name in group}
 
 
 def random_draws(gm: fx.GraphModule) -> int:

@@ -311,6 +311,9 @@ def find_loss(graph: fx.Graph, head: fx.Node | None) -> fx.Node | None:
 # regions
 
 
+_ATTENTION = (aten.scaled_dot_product_attention, aten.softmax, aten._softmax)
+
+
 def trace_region(
     graph: fx.Graph, row: LinearMatch | Sequence[LinearMatch], linears: dict[fx.Node, LinearMatch],
     derived: set[fx.Node], tp: int, exits: Container[fx.Node] = (),
@@ -360,9 +363,14 @@ def trace_region(
             pieces = slice_pending.pop(node)
             d = pieces[0][1].dim
             spec = slices_input_spec(shape_of(node)[d], d, [(slice_bounds(s)[1], sp) for s, sp in pieces], tp)
+            sliced = {s for s, _ in pieces}
             try:
                 if spec is None:
                     raise ShardingError(f"{describe(node)}: its slices cannot be split over tp={tp}")
+                if any(u not in sliced and packet(u) not in READS_METADATA_ONLY for u in node.users):
+                    # Read whole elsewhere too (Falcon's one K/V head taken by an index beside the
+                    # query heads' slice): computed whole, the slices cut from it.
+                    raise ShardingError(f"{describe(node)} is read whole beside its slices")
                 check(node, spec)
                 pending[node] = spec
             except ShardingError:
@@ -436,7 +444,7 @@ def trace_region(
             pending[arg] = arg_spec
     if pending:
         raise ShardingError(f"{describe(next(iter(pending)))} could not be reached walking back")
-    if not columns:
+    if not columns and not any(packet(n) in _ATTENTION for n in specs):
         raise ShardingError(f"{describe(row.node)}: no column-parallel linear feeds it (the walk stopped at {[c.name for c, _ in cuts]})")
     # A split tensor that something outside the region reads whole (the statistics of a norm
     # over the features, a residual stream) means the walk crossed a block boundary.
@@ -445,9 +453,8 @@ def trace_region(
         for user in node.users:
             if user not in inside and user not in exits and packet(user) not in READS_METADATA_ONLY:  # new_empty: dtype and device
                 raise ShardingError(f"{describe(node)} is used outside the tensor-parallel region by {describe(user)}")
-    kind = "attention" if any(
-        packet(n) in (aten.scaled_dot_product_attention, aten.softmax, aten._softmax) for n in specs
-    ) or any(packet(n) in (aten.scaled_dot_product_attention, aten.softmax, aten._softmax) for n, _ in cuts) else "mlp"
+    kind = "attention" if any(packet(n) in _ATTENTION for n in specs) or any(
+        packet(n) in _ATTENTION for n, _ in cuts) else "mlp"
     return Region(
         row=row, columns=columns, specs=specs, cuts=cuts, kind=kind,
         column_linears={n: linears[n] for n in columns}, more_rows=tuple(rows[1:]),
@@ -529,7 +536,8 @@ def analyze(captured: CapturedGraph, tp: int, exits: Container[fx.Node] = ()) ->
     ]
     dropouts = [n for n in graph.nodes if packet(n) is aten.dropout]
     return ModelAnalysis(
-        param_bytes={captured.param_of(n): tensor_nbytes(n) for n in captured.state_placeholders if captured.param_of(n)},
+        param_bytes={captured.param_of(n): tensor_nbytes(n) for n in captured.state_placeholders
+                     if captured.param_of(n) and not _tied_alias(n, captured)},
         whole_reasons=whole_reasons(captured, linears, regions, head, vocab_embeddings, failures, notes, kept_whole),
         seq_len=_query_length(graph),
         linears=linears,
@@ -554,6 +562,11 @@ def _rows_on_one_split(graph: fx.Graph, failed: list[LinearMatch]) -> list[list[
         if lm.weight_piece is None and is_getitem(lm.input) and is_split(lm.input.args[0]):
             groups[lm.input.args[0]].append(lm)
     return [group for group in groups.values() if len(group) > 1]
+
+
+def _tied_alias(node: fx.Node, captured: CapturedGraph) -> bool:
+    """A tied tensor's name that nothing in the graph reads: its bytes are its other name's."""
+    return not node.users and captured.param_of(node) in captured.tied
 
 
 def _non_overlapping_regions(regions: list[Region], failures: dict[fx.Node, ShardingError]) -> list[Region]:

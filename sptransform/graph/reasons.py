@@ -59,9 +59,10 @@ def whole_reasons(captured: CapturedGraph, linears: dict[fx.Node, LinearMatch], 
         if not name or name in split or name in reasons:
             continue
         readers = sorted({str(packet(u)).rsplit(".", 1)[-1] for u in _readers_through_views(node)})
-        if not readers:  # counted whole here, though a tied name's tensor is stored as its other name's
-            reasons[name] = ("read by nothing in this graph: a tied weight's other name (stored as that one) or a "
-                             "parameter the forward does not use")
+        if not readers:
+            others = [n for n in captured.tied.get(name, ()) if n != name]
+            reasons[name] = (f"tied to {others[0]!r}: one tensor, stored as that name" if others else
+                             "read by nothing in this graph: a parameter the forward does not use")
             continue
         reasons[name] = (f"no linear reads it: read by {', '.join(readers)} (elementwise, norm, router "
                          "or lookup ops run on whole parameters)")

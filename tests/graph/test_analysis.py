@@ -181,3 +181,39 @@ def test_experts_run_on_the_groups_of_one_split_form_one_block_with_a_row_linear
     assert set(region.columns.values()) == {DimShard(1, ((0, 16), (16, 16)))}
     split, = [n for n in region.specs if n.target is torch.ops.aten.split_with_sizes.default]
     assert region.specs[split] == whole(1, 16)  # the activations' cut: along the features, never the rows
+
+
+def test_an_attention_whose_fused_projection_cannot_split_still_splits_its_heads_and_output_projection():
+    """Falcon-7B: one fused linear makes the query heads and the single K/V head, K and V taken by
+    an index beside the queries' slice. No split of the fused output serves both, so it is
+    computed whole and the queries' slice cut to this rank's heads; the attention still runs on
+    them and the output projection is row-parallel: a block with no column-parallel linear."""
+    from models.zoo import FusedMultiQueryLM
+    from sptransform.passes.canonicalize import sizes_as_arguments
+
+    captured = capture(FakeTemplate(FusedMultiQueryLM(vocab=97, n_layer=1), torch.device("cpu")), _ids((2, 8), 97), {})
+    sizes_as_arguments(captured.gm)  # k.expand_as(q): q's size as an argument, as the pass list does
+    analysis = analyze(captured, 2)
+    attention = next(r for r in analysis.regions if r.kind == "attention")
+    assert attention.row.weight_name == "dense.0.weight" and not attention.columns
+    (cut, spec), = attention.cuts
+    assert cut.target is torch.ops.aten.slice.Tensor and spec == whole(2, 4)  # the 4 query heads
+    assert "qkv.0.weight" in analysis.whole_reasons
+
+
+def test_a_row_linear_fed_by_no_column_and_no_attention_stays_whole():
+    """Without an attention between them, a row-parallel linear reading a cut of a whole tensor
+    would only trade its weight's memory for two all-reduces: no block."""
+    class TwoLinears(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(61, 16)
+            self.a = torch.nn.Linear(16, 16)
+            self.b = torch.nn.Linear(16, 16)
+
+        def forward(self, ids, targets):
+            h = self.a(self.emb(ids))  # a norm over the features: no split reaches ``a``
+            return torch.nn.functional.mse_loss(self.b(torch.nn.functional.layer_norm(h, (16,))), h)
+
+    analysis = _analyze(TwoLinears(), _ids((2, 8)))
+    assert not analysis.regions and "b.weight" in analysis.whole_reasons

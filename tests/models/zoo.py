@@ -384,6 +384,37 @@ class MultiQueryLM(nn.Module):
         return _loss_or_logits(self.lm_head(self.ln_f(x)), targets)
 
 
+class FusedMultiQueryLM(nn.Module):
+    """Falcon-7B's attention: one fused linear makes the query heads and the single K/V head,
+    viewed ``[b, t, heads + 2, hd]``; the queries a slice of it, K and V taken by an index
+    (``[..., [-2], :]``) beside that slice, SDPA with the K/V head expanded; parallel
+    attention and MLP off one LayerNorm, no biases."""
+
+    def __init__(self, vocab=113, d=HIDDEN, n_head=HEADS, n_layer=LAYERS):
+        super().__init__()
+        self.n_head, self.hd = n_head, d // n_head
+        self.wte = nn.Embedding(vocab, d)
+        self.ln = nn.ModuleList(nn.LayerNorm(d) for _ in range(n_layer))
+        self.qkv = nn.ModuleList(nn.Linear(d, d + 2 * self.hd, bias=False) for _ in range(n_layer))
+        self.dense = nn.ModuleList(nn.Linear(d, d, bias=False) for _ in range(n_layer))
+        self.mlp = nn.ModuleList(nn.Sequential(nn.Linear(d, 4 * d, bias=False), nn.GELU(), nn.Linear(4 * d, d, bias=False))
+                                 for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx, targets=None):
+        b, t = idx.shape
+        x = self.wte(idx)
+        for i in range(len(self.qkv)):
+            h = self.ln[i](x)
+            fused = self.qkv[i](h).view(b, t, self.n_head + 2, self.hd)
+            q, k, v = fused[..., :-2, :], fused[..., [-2], :], fused[..., [-1], :]
+            q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # [b, heads or 1, t, hd]
+            y = F.scaled_dot_product_attention(q, k.expand_as(q), v.expand_as(q), is_causal=True)
+            x = x + self.dense[i](y.transpose(1, 2).reshape(b, t, -1)) + self.mlp[i](h)
+        return _loss_or_logits(self.lm_head(self.ln_f(x)), targets)
+
+
 # --------------------------------------------------------------------------------------------
 # 7. RMSNorm written (x * self.weight.float()).to(dtype), Llama-HF-like otherwise (rotate_half RoPE
 #    with registered cos/sin caches, SwiGLU)
@@ -1549,6 +1580,9 @@ ZOO: dict[str, Entry] = {
                                "(unequal segments), repeat_interleave, squared-ReLU MLP, nn.RMSNorm"),
     "multi_query": Entry(MultiQueryLM, "multi-query attention: one K/V head broadcast (not repeated) over 4 query "
                          "heads, torch.where mask"),
+    "fused_multi_query": Entry(FusedMultiQueryLM, "Falcon-7B attention: one fused [query heads | K | V] linear "
+                               "viewed [b, t, heads + 2, hd], K/V taken by an index beside the queries' slice, "
+                               "parallel attention and MLP"),
     "cast_rmsnorm": Entry(CastRMSNormLM, "RMSNorm as (x * self.weight.float()).to(dtype), rotate_half RoPE from "
                           "registered cos/sin caches"),
     "gemma_norm": Entry(GemmaNormLM, "x * (1 + weight) norm, embeddings times a sqrt(hidden) tensor made in "

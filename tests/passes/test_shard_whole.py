@@ -86,7 +86,8 @@ def test_falcon_stores_its_fused_multi_query_qkv_in_pieces_and_trains_like_one_d
     with simulated_ranks(2):
         plain = sptransform.parallelize(copy.deepcopy(model), tp=2, example_inputs=batch)
         pm = sptransform.parallelize(model, tp=2, example_inputs=batch, shard_whole=True)
-        assert plain.held_share() > 0.6, plain.held_share()  # the QKV and the norms whole on every rank
+        # the QKV and the norms whole on every rank (the attention's heads and its dense split: 0.579)
+        assert plain.held_share() > 0.55, plain.held_share()
         assert "shard_whole=True would store these" in plain.explain()
         assert pm.held_share() == pytest.approx(0.5, abs=1e-9), pm.explain()
         whole_before = {n for n, p in plain.named_parameters()
