@@ -35,7 +35,10 @@ import torch.fx as fx
 from sptransform.graph.placement import PARTIAL, REPLICATED
 from sptransform.graph.propagate import Propagation
 from sptransform.graph.placement import DimShard
-from sptransform.graph.rules.geometry import is_getitem, is_split
+from sptransform.graph.nodes import packet
+from sptransform.graph.rules.geometry import VIEWS, is_getitem, is_split
+
+aten = torch.ops.aten
 
 
 @dataclass
@@ -64,15 +67,28 @@ def _split_or_partial(placement) -> bool:
     return isinstance(placement, DimShard) or placement == PARTIAL
 
 
-def _chunk(node: fx.Node) -> bool:
-    """A chunk of a ``split``: its gradient is laid into the split input's gradient as it is."""
-    return is_getitem(node) and is_split(node.args[0])
+_MADE_FROM_METADATA = frozenset({aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like, aten.new_zeros,
+                                 aten.new_ones, aten.new_empty, aten.new_full, aten.rand_like, aten.randn_like})
+
+_REGATHERS = frozenset({aten.index, aten.index_select, aten.unsqueeze, aten.squeeze}) | VIEWS
+
+
+def _regathers(node: fx.Node) -> bool:
+    """A chunk of a ``split``, rows gathered by indices (``x[idx]``, ``index_select``) or a view:
+    its gradient is laid into its input's gradient as it is (a linear map with the same
+    coefficients on every rank), never into a larger tensor than the rows all such readers take
+    together (a slice is not one: its input may be far larger)."""
+    if is_getitem(node):
+        return is_split(node.args[0])
+    return node.op == "call_function" and packet(node) in _REGATHERS
 
 
 def needs_gradient(gm: fx.GraphModule, sources: set[fx.Node]) -> set[fx.Node]:
     """Floating nodes computed from ``sources`` (parameters, floating user inputs)."""
     found = set()
     for node in gm.graph.nodes:
+        if node.op == "call_function" and packet(node) in _MADE_FROM_METADATA:
+            continue  # zeros_like(x): no gradient reaches x
         if node in sources or any(a in found for a in node.all_input_nodes):
             if _floating(node) or isinstance(node.meta.get("val"), (tuple, list)):
                 found.add(node)
@@ -130,10 +146,11 @@ def gradient_plan(
         partial = [u for u, k in kinds.items() if k == "partial"]
         if not partial:
             state[node] = "full"
-        elif (node in constant or _chunk(node)) and len(partial) == len(kinds):
+        elif (node in constant or _regathers(node)) and len(partial) == len(kinds):
             # Stays partial back to the parameters (replicated ops are linear), or back through the
-            # split it is a chunk of: the chunks' partial gradients meet at the split's input, where
-            # one f sums them all instead of one per chunk (experts run on groups of rows).
+            # split it is a chunk of or the gather of rows it is: the partial gradients of every
+            # expert's rows meet at the tensor they were taken from, where one f sums them all
+            # instead of one per expert.
             state[node] = "partial"
             deferred[node] = partial
         else:

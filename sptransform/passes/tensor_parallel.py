@@ -129,9 +129,10 @@ def check_local_shapes(gm: fx.GraphModule, prop: Propagation, nodes: list[fx.Nod
             expected = prop.placement.get(node)
             if expected is None or node.target in _SKIP_SHAPE_CHECK or routes(node):
                 continue  # routing: whole on every rank (propagation), no fake run without a shape env
-            if data_dependent(node) and all(placement_of(a) in (None, REPLICATED) for a in (node, *node.all_input_nodes)):
-                continue  # whole, as on one device: nothing to check (and a run-time size's stand-in, which
-                # knows nothing of sums of such sizes that equal a static one, might not even run it)
+            if data_dependent(node) and not any(_splits(placement_of(a)) for a in (node, *node.all_input_nodes)):
+                continue  # no split read or made: local shapes are global ones, nothing to check (and a run-time
+                # size's stand-in, which knows nothing of sums of such sizes that equal a static one, might
+                # not even run it)
             # Sizes known only at run time (the rows routed to an expert) run as their stand-ins.
 
             def local(a):
@@ -178,6 +179,12 @@ def _resized(x: torch.Tensor, d: int, size) -> torch.Tensor:
     shape = list(x.shape)
     shape[d % x.dim()] = size
     return x.new_empty(shape)
+
+
+def _splits(placement) -> bool:
+    if isinstance(placement, (tuple, list)):
+        return any(_splits(p) for p in placement)
+    return isinstance(placement, DimShard)
 
 
 def _split_on_stand_ins(node: fx.Node, args: tuple) -> tuple:

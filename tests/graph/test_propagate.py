@@ -420,9 +420,12 @@ def test_ops_on_routed_rows_are_split_along_static_dims_and_the_routing_runs_who
     for node in nodes:  # no split along a run-time size, read or made
         for a, p in [*prop.reads[node].items(), (node, prop.placement[node])]:
             assert not isinstance(p, DimShard) or p.dim not in unbacked_dims(a), (node, a, p)
-    # each expert's partial sum is reduced (on its rows), and nothing else moves
+    # each expert's partial sum is added into zeros by index_add, a partial sum too (linear in it):
+    # one reduction after the loop, where the output is read, and nothing else moves
+    adds = [n for n in nodes if n.target is aten.index_add.default]
+    assert len(adds) == 2 and all(prop.placement[a] == PARTIAL for a in adds)
     by_name = {n.name: n for n in nodes}
-    assert [(kind, by_name[name].target) for kind, name in _moves(prop)] == [("all_reduce", aten.linear.default)] * 2
+    assert [(kind, by_name[name]) for kind, name in _moves(prop)] == [("all_reduce", adds[-1])]
 
 
 class ExpertGroups(nn.Module):
@@ -449,16 +452,18 @@ class ExpertGroups(nn.Module):
 
 def test_experts_on_the_groups_of_a_split_reduce_once_and_sum_their_input_gradients_once():
     """The joined partial sums of the down projections stay one partial sum (``cat`` of partial
-    sums only), reduced once where ``index_add`` reads them; the chunks' partial input gradients
-    meet at the split's input, summed by one f there, not one per expert."""
+    sums only, then ``index_add`` into zeros), reduced once where the output is read; the
+    chunks' partial input gradients meet at the split's input, summed by one f there, not one
+    per expert."""
     seeds = {f"up.{e}.weight": whole(0, 16) for e in range(3)} | {f"down.{e}.weight": whole(1, 16) for e in range(3)}
     gm, prop, grads, _ = _run(ExpertGroups(), (torch.randn(16, 8),), seeds)
     cat_up, cat_down = [n for n in gm.graph.nodes if n.target is aten.cat.default]
     assert prop.placement[cat_up] == whole(1, 16) and prop.placement[cat_down] == PARTIAL
     by_name = {n.name: n for n in gm.graph.nodes}
-    assert [(kind, by_name[name].target) for kind, name in _moves(prop)] == [("all_reduce", aten.cat.default)]
+    assert [(kind, by_name[name].target) for kind, name in _moves(prop)] == [("all_reduce", aten.index_add.default)]
     split = next(n for n in gm.graph.nodes if n.target is aten.split_with_sizes.default)
-    assert list(grads.f_edges) == [split.args[0]] and grads.f_edges[split.args[0]] == [split]
+    rows = split.args[0]  # x[order]: deferred further, to x (the index's input), where the gate reads it too
+    assert rows.target is aten.index.Tensor and list(grads.f_edges) == [rows.args[0]], list(grads.f_edges)
 
 
 def test_a_cat_of_partial_sums_and_a_replicated_piece_is_reduced_first():
@@ -476,3 +481,44 @@ def test_a_cat_of_partial_sums_and_a_replicated_piece_is_reduced_first():
     ctx = RuleContext(tp=2, is_constant=lambda n: False)
     assert forward_rule(cat, {a: PARTIAL, b: PARTIAL}.get, ctx).output == PARTIAL
     assert forward_rule(cat, {a: PARTIAL, b: REPLICATED}.get, ctx) is None  # the caller reduces first
+
+
+def test_ops_linear_in_a_partial_sum_keep_it_only_where_that_is_exact_and_no_larger():
+    """``y * w``, ``y / w`` and ``index_add`` into zeros or into a partial sum keep a partial ``y``
+    partial; ``index_add`` into a replicated tensor that is not zeros would add it ``tp`` times,
+    ``w / y`` is not linear in ``y``, and a broadcast to a larger output would reduce more bytes:
+    those read ``y`` reduced (the rule returns None, the caller picks the reduction)."""
+    from sptransform.graph.rules import RuleContext
+    from sptransform.graph.rules.registry import forward_rule
+
+    class Ops(nn.Module):
+        def forward(self, y, w, big, base, ids):
+            return (y * w, y / w, w / y, y * big, torch.zeros_like(base).index_add(0, ids, y * 1),
+                    base.index_add(0, ids, y * 1))
+
+    captured, _ = _graph(Ops(), torch.randn(4, 8), torch.randn(4, 1), torch.randn(3, 4, 8), torch.randn(6, 8),
+                         torch.tensor([0, 2, 2, 5]))
+    y, w, big, base, ids = captured.user_placeholders
+    ctx = RuleContext(tp=2, is_constant=lambda n: False)
+    nodes = [n for n in captured.gm.graph.nodes if n.op == "call_function"]
+
+    def output(node, placements):
+        decision = forward_rule(node, lambda n: placements.get(n, REPLICATED), ctx)
+        return None if decision is None else decision.output
+
+    mul, div, rdiv, mul_big = [n for n in nodes if n.target in (aten.mul.Tensor, aten.div.Tensor)][:4]
+    # each op's partial input is read by that op alone in this check: a fresh reader count
+    for node, partial_input, want in ((mul, y, PARTIAL), (div, y, PARTIAL), (rdiv, y, None), (mul_big, y, None)):
+        users = dict(partial_input.users)
+        partial_input.users.clear()
+        partial_input.users[node] = None
+        try:
+            assert output(node, {partial_input: PARTIAL}) == want, node
+        finally:
+            partial_input.users.clear()
+            partial_input.users.update(users)
+    into_zeros, into_base = [n for n in nodes if n.target is aten.index_add.default]
+    source = into_zeros.args[3]
+    assert output(into_zeros, {source: PARTIAL}) == PARTIAL
+    assert output(into_base, {into_base.args[3]: PARTIAL}) is None  # base is not zeros
+    assert output(into_base, {into_base.args[3]: PARTIAL, base: PARTIAL}) is None  # base read twice: reduce once

@@ -40,13 +40,14 @@ Nothing here reads names: op overload packets and ``node.meta["val"]`` shapes on
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Callable
 
 import torch
 import torch.fx as fx
 
-from sptransform.graph.nodes import is_grouped_mm, output_shape, packet
+from sptransform.graph.nodes import is_grouped_mm, output_shape, packet, shape_of
 from sptransform.graph.placement import PARTIAL, REPLICATED, DimShard
 from sptransform.graph.rules.backward import cat_backward, linked_backward, slice_backward, view_backward
 from sptransform.graph.rules.base import (
@@ -174,8 +175,8 @@ def forward_rule(node: fx.Node, placement_of: PlacementOf, ctx: RuleContext) -> 
         # Anything else, even a linear op, reads them reduced: the caller chooses the reduction.
         if rule is not None and rule.moves_data_only and len(current) == 1 and len(inputs[0].users) == 1:
             return Decision({a: PARTIAL for a in inputs}, same_for_each_output(node, PARTIAL))
-        if _joins_partial_sums(node, current):
-            return Decision({a: PARTIAL for a in inputs}, PARTIAL)
+        if _joins_partial_sums(node, current) or _linear_in_its_partial_input(node, current):
+            return Decision(dict(current), PARTIAL)
         return None
     decision = None
     if rule is not None and rule.forward is not None:
@@ -192,6 +193,44 @@ def _joins_partial_sums(node: fx.Node, current: dict) -> bool:
     replicated piece would be counted ``tp`` times."""
     return (packet(node) in (aten.cat, aten.stack) and all(p == PARTIAL for p in current.values())
             and all(len(a.users) == 1 for a in current))
+
+
+_ZEROS = {aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default}
+
+
+def _zeros(node: fx.Node) -> bool:
+    """Made as zeros: a valid partial sum on every rank (``tp`` zeros sum to zero)."""
+    return node.target in _ZEROS or (
+        node.target in (aten.full.default, aten.full_like.default, aten.new_full.default)
+        and len(node.args) > 1 and node.args[-1] == 0 and not node.kwargs.get("fill_value"))
+
+
+def _linear_in_its_partial_input(node: fx.Node, current: dict) -> bool:
+    """Ops linear in a partial-sum input, the others the same on every rank, that keep its size:
+    ``y * w`` and ``y / w`` (an expert's output scaled by its routing weight) and
+    ``index_add(out, d, ids, y)`` into zeros or into a partial sum (experts' outputs laid back
+    where their tokens came from, one after another). Each rank's term of the sum goes through
+    the op alike, so the output is a partial sum and one reduction after a chain of them replaces
+    one per expert. The partial input must have no other reader (one reduction at the source
+    would serve them all) and must not be broadcast to a larger output (a larger sum to reduce).
+    A replicated operand's gradient through such an op is a partial sum: the gradient plan sees
+    the op's partial output and sums it (``graph.gradients``)."""
+    partial = [a for a, p in current.items() if p == PARTIAL]
+    if any(len(a.users) != 1 for a in partial):
+        return False
+    op = packet(node)
+    if op in (aten.mul, aten.div):
+        y = partial[0] if len(partial) == 1 else None
+        if y is None or (op is aten.div and node.args[0] is not y):
+            return False
+        out, shape = shape_of(node), shape_of(y)
+        return out is not None and shape is not None and math.prod(out) == math.prod(shape)
+    if op is aten.index_add:
+        x, _, ids, source = node.args[:4]
+        return (current.get(source) == PARTIAL and current.get(ids) != PARTIAL
+                and (current.get(x) == PARTIAL or _zeros(x))
+                and node.kwargs.get("alpha", node.args[4] if len(node.args) > 4 else 1) == 1)
+    return False
 
 
 def gather_all(node: fx.Node, inputs: list[fx.Node]) -> Decision:
