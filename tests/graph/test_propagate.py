@@ -522,3 +522,21 @@ def test_ops_linear_in_a_partial_sum_keep_it_only_where_that_is_exact_and_no_lar
     assert output(into_zeros, {source: PARTIAL}) == PARTIAL
     assert output(into_base, {into_base.args[3]: PARTIAL}) is None  # base is not zeros
     assert output(into_base, {into_base.args[3]: PARTIAL, base: PARTIAL}) is None  # base read twice: reduce once
+
+
+def test_a_partial_sum_times_a_split_operand_is_reduced_first():
+    """``y * g`` with ``g`` split (a sequence-split gate beside a partial expert output) is not
+    linear with the same coefficients on every rank: the rule leaves the reduction to the caller."""
+    from sptransform.graph.rules import RuleContext
+    from sptransform.graph.rules.registry import forward_rule
+
+    class Gate(nn.Module):
+        def forward(self, y, g):
+            return y * g
+
+    captured, _ = _graph(Gate(), torch.randn(16, 8), torch.randn(16, 1))
+    y, g = captured.user_placeholders
+    mul = _node(captured.gm, aten.mul)
+    ctx = RuleContext(tp=2, is_constant=lambda n: False)
+    assert forward_rule(mul, {y: PARTIAL, g: REPLICATED}.get, ctx).output == PARTIAL
+    assert forward_rule(mul, {y: PARTIAL, g: whole(0, 16)}.get, ctx) is None

@@ -216,8 +216,8 @@ def _linear_in_its_partial_input(node: fx.Node, current: dict) -> bool:
     A replicated operand's gradient through such an op is a partial sum: the gradient plan sees
     the op's partial output and sums it (``graph.gradients``)."""
     partial = [a for a, p in current.items() if p == PARTIAL]
-    if any(len(a.users) != 1 for a in partial):
-        return False
+    if any(len(a.users) != 1 for a in partial) or any(p not in (PARTIAL, REPLICATED) for p in current.values()):
+        return False  # a split operand (a sequence-split gate) is not the same on every rank
     op = packet(node)
     if op in (aten.mul, aten.div):
         y = partial[0] if len(partial) == 1 else None
