@@ -524,19 +524,22 @@ def test_ops_linear_in_a_partial_sum_keep_it_only_where_that_is_exact_and_no_lar
     assert output(into_base, {into_base.args[3]: PARTIAL, base: PARTIAL}) is None  # base read twice: reduce once
 
 
-def test_a_partial_sum_times_a_split_operand_is_reduced_first():
+def test_a_partial_sum_times_a_split_operand_or_itself_is_reduced_first():
     """``y * g`` with ``g`` split (a sequence-split gate beside a partial expert output) is not
-    linear with the same coefficients on every rank: the rule leaves the reduction to the caller."""
+    linear with the same coefficients on every rank, nor is ``g * g`` linear in ``g``: the rule
+    leaves the reduction to the caller."""
     from sptransform.graph.rules import RuleContext
     from sptransform.graph.rules.registry import forward_rule
 
     class Gate(nn.Module):
-        def forward(self, y, g):
-            return y * g
+        def forward(self, y, g, z):
+            return y * g, z * z
 
-    captured, _ = _graph(Gate(), torch.randn(16, 8), torch.randn(16, 1))
-    y, g = captured.user_placeholders
+    captured, _ = _graph(Gate(), torch.randn(16, 8), torch.randn(16, 1), torch.randn(16, 8))
+    y, g, z = captured.user_placeholders
     mul = _node(captured.gm, aten.mul)
     ctx = RuleContext(tp=2, is_constant=lambda n: False)
     assert forward_rule(mul, {y: PARTIAL, g: REPLICATED}.get, ctx).output == PARTIAL
     assert forward_rule(mul, {y: PARTIAL, g: whole(0, 16)}.get, ctx) is None
+    square = [n for n in captured.gm.graph.nodes if n.target is aten.mul.Tensor][1]
+    assert forward_rule(square, {z: PARTIAL}.get, ctx) is None  # z * z is not linear in z

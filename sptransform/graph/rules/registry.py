@@ -221,8 +221,8 @@ def _linear_in_its_partial_input(node: fx.Node, current: dict) -> bool:
     op = packet(node)
     if op in (aten.mul, aten.div):
         y = partial[0] if len(partial) == 1 else None
-        if y is None or (op is aten.div and node.args[0] is not y):
-            return False
+        if y is None or node.args.count(y) != 1 or (op is aten.div and node.args[0] is not y):
+            return False  # y * y is not linear in y
         out, shape = shape_of(node), shape_of(y)
         return out is not None and shape is not None and math.prod(out) == math.prod(shape)
     if op is aten.index_add:
