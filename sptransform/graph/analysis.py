@@ -514,10 +514,15 @@ def analyze(captured: CapturedGraph, tp: int, exits: Container[fx.Node] = ()) ->
         seen_columns |= set(r.columns)
     leftovers = [lm for n, lm in linears.items() if n not in assigned]
     head = _pick_head([lm for lm in leftovers if lm.weight_piece is None])
+    whole_ones: dict[str, list[LinearMatch]] = defaultdict(list)  # one note per parameter (experts: one per loop)
+    for lm in leftovers:
+        if lm is not head and lm.weight_piece is None:
+            whole_ones[lm.weight_name].append(lm)
     notes = [
-        f"the linear {describe(lm.node)} (parameter {lm.weight_name!r}) runs replicated on every rank: it is "
-        f"neither column- nor row-parallel (as a row-parallel linear, {failures.get(lm.node, 'n/a')})"
-        for lm in leftovers if lm is not head and lm.weight_piece is None
+        f"the linear {describe(lms[0].node)} (parameter {name!r}"
+        f"{f', and {len(lms) - 1} more linears reading it' if len(lms) > 1 else ''}) runs replicated on every rank: "
+        f"it is neither column- nor row-parallel (as a row-parallel linear, {failures.get(lms[0].node, 'n/a')})"
+        for name, lms in whole_ones.items()
     ]
     fused, kept_whole = _fused_parameters(linears, regions, notes)
     for region in regions:
