@@ -139,8 +139,8 @@ def explain(graph, options) -> str:
     lines.append(f"sequence length {analysis.seq_len}; vocab {plan.vocab if plan else '-'}")
     lines.append("regions:")
     for region in analysis.regions:
-        cols = ", ".join(region.column_linears[c].weight_label for c in region.columns) or \
-            "none: its inputs cut from whole tensors"
+        cols = ", ".join(dict.fromkeys(region.column_linears[c].weight_label for c in region.columns)) or \
+            "none: its inputs cut from whole tensors"  # (experts in a loop: one weight, one linear per expert)
         lines.append(f"  layer {region.layer:>3} {region.kind:<9} columns [{cols}] -> row {_rows_label(region)}")
     if analysis.head is not None:
         lines.append(f"  head {analysis.head.weight_name} (vocab-parallel), loss: {'vocab-parallel cross-entropy' if analysis.loss is not None else 'none'}")
