@@ -271,7 +271,7 @@ def _gradient_reductions(gm: fx.GraphModule, build: Build) -> PassResult:
     inputs = {n for n in build.captured.user_placeholders if isinstance(n.meta.get("val"), torch.Tensor)
               and n.meta["val"].is_floating_point()}
     build.gradients = gradient_plan(gm, build.propagation, params=set(build.params), constant=build.constant,
-                                    inputs=inputs)
+                                    inputs=inputs, through_gathers=build.options.ep == 1)
     build.plan.notes.extend(f"{n.name} runs whole on every rank: no rule splits it"
                             for n in build.propagation.gathered_ops())
     build.plan.notes.extend(build.propagation.notes.values())

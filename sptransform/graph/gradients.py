@@ -70,17 +70,20 @@ def _split_or_partial(placement) -> bool:
 _MADE_FROM_METADATA = frozenset({aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like, aten.new_zeros,
                                  aten.new_ones, aten.new_empty, aten.new_full, aten.rand_like, aten.randn_like})
 
-_REGATHERS = frozenset({aten.index, aten.index_select, aten.unsqueeze, aten.squeeze}) | VIEWS
+_GATHERS = frozenset({aten.index, aten.index_select})
+_REGATHERS = _GATHERS | {aten.unsqueeze, aten.squeeze} | VIEWS
 
 
-def _regathers(node: fx.Node) -> bool:
+def _regathers(node: fx.Node, through_gathers: bool = True) -> bool:
     """A chunk of a ``split``, rows gathered by indices (``x[idx]``, ``index_select``) or a view:
     its gradient is laid into its input's gradient as it is (a linear map with the same
     coefficients on every rank), never into a larger tensor than the rows all such readers take
     together (a slice is not one: its input may be far larger)."""
     if is_getitem(node):
         return is_split(node.args[0])
-    return node.op == "call_function" and packet(node) in _REGATHERS
+    if node.op != "call_function" or not through_gathers and packet(node) in _GATHERS:
+        return False
+    return packet(node) in _REGATHERS
 
 
 def needs_gradient(gm: fx.GraphModule, sources: set[fx.Node]) -> set[fx.Node]:
@@ -96,10 +99,14 @@ def needs_gradient(gm: fx.GraphModule, sources: set[fx.Node]) -> set[fx.Node]:
 
 
 def gradient_plan(
-    gm: fx.GraphModule, prop: Propagation, *, params: set[fx.Node], constant: set[fx.Node], inputs: set[fx.Node]
+    gm: fx.GraphModule, prop: Propagation, *, params: set[fx.Node], constant: set[fx.Node], inputs: set[fx.Node],
+    through_gathers: bool = True,
 ) -> GradientPlan:
     """Where the gradient reductions go. ``params``: parameter placeholders; ``constant``: nodes
-    computed from parameters and buffers only; ``inputs``: floating user-input placeholders."""
+    computed from parameters and buffers only; ``inputs``: floating user-input placeholders.
+    ``through_gathers``: partial gradients may be deferred back through row gathers (``x[idx]``);
+    off under expert parallelism, whose dispatch region reads the f where the rows are gathered
+    (deferred, it exchanged the experts' activations instead of the tokens: 8.5x the bytes)."""
     plan = GradientPlan()
     grad = needs_gradient(gm, params | inputs)
     state: dict[fx.Node, str] = {}  # replicated node -> "full" / "partial" (its gradient on arrival)
@@ -146,7 +153,7 @@ def gradient_plan(
         partial = [u for u, k in kinds.items() if k == "partial"]
         if not partial:
             state[node] = "full"
-        elif (node in constant or _regathers(node)) and len(partial) == len(kinds):
+        elif (node in constant or _regathers(node, through_gathers)) and len(partial) == len(kinds):
             # Stays partial back to the parameters (replicated ops are linear), or back through the
             # split it is a chunk of or the gather of rows it is: the partial gradients of every
             # expert's rows meet at the tensor they were taken from, where one f sums them all
