@@ -13,7 +13,13 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "sptransform"
 
 
+# Documented public functions whose names start with an underscore.
+_PUBLIC_FUNCTIONS = frozenset({"os._exit"})  # exit without interpreter teardown (Python's os docs)
+
+
 def _private(name: str) -> bool:
+    if name in _PUBLIC_FUNCTIONS:
+        return False
     return any(part.startswith("_") and not part.startswith("__") for part in name.split("."))
 
 
@@ -82,7 +88,8 @@ def _private_uses(tree: ast.AST, ours: set[str]) -> list[str]:
             found += [f"{node.module}.{a.name}" for a in node.names if _private(a.name)]
         elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and _private(node.attr) \
                 and not node.attr.startswith("__") and node.attr not in ours and not _is_operator(node):
-            found.append(".".join(_chain(node)) or f"<expr>.{node.attr}")
+            if ".".join(_chain(node)) not in _PUBLIC_FUNCTIONS:
+                found.append(".".join(_chain(node)) or f"<expr>.{node.attr}")
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _REFLECTION \
                 and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \
                 and isinstance(node.args[1].value, str) and _private(node.args[1].value) \

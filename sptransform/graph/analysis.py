@@ -197,6 +197,7 @@ def find_linears(captured: CapturedGraph) -> dict[fx.Node, LinearMatch]:
         if node.op != "call_function":
             continue
         p = packet(node)
+        sides = -1  # the dim of input and output that holds the features
         if p is aten.bmm:
             match = _batched_experts(node, captured)
             if match is not None:
@@ -213,6 +214,11 @@ def find_linears(captured: CapturedGraph) -> dict[fx.Node, LinearMatch]:
             x, w = node.args[:2]
             bias = None
             out_dim = 1
+            if _param_through_views(w, captured)[0] is None and _param_through_views(x, captured)[0] is not None:
+                # the weight on the left, ``W @ x`` with x [..., in, n] (Mamba's ``dt_proj.weight @ t``):
+                # features along the second-to-last dims of input and output
+                x, w = w, x
+                out_dim, sides = 0, -2
         elif is_grouped_mm(node):  # x [S, K] by w [E, K, N]: one linear per expert
             x, w = node.args[:2]
             bias = None
@@ -258,6 +264,8 @@ def find_linears(captured: CapturedGraph) -> dict[fx.Node, LinearMatch]:
             bias_piece=bias_piece[1:] if bias_piece is not None else None,
             in_dim=in_dim,
             per_group=grouped or selected is not None,
+            input_dim=sides,
+            output_dim=sides,
         )
     return found
 
@@ -449,16 +457,70 @@ def trace_region(
     # A split tensor that something outside the region reads whole (the statistics of a norm
     # over the features, a residual stream) means the walk crossed a block boundary.
     inside = set(specs) | row_nodes
+    contracting: list[LinearMatch] = []
+    outside: ShardingError | None = None
     for node in specs:
         for user in node.users:
             if user not in inside and user not in exits and packet(user) not in READS_METADATA_ONLY:  # new_empty: dtype and device
-                raise ShardingError(f"{describe(node)} is used outside the tensor-parallel region by {describe(user)}")
+                err = ShardingError(f"{describe(node)} is used outside the tensor-parallel region by {describe(user)}")
+                lm = _linear_reading(node, user, linears)
+                if lm is not None and isinstance(specs[node], DimShard):
+                    # It may sum over the split features: a row of this block too (the walk
+                    # again from its input checks that the split reaches it on its features).
+                    contracting.append(lm)
+                    outside = outside or err
+                    continue
+                raise err
+    if contracting:
+        raise _ReadOnItsFeatures(str(outside), contracting)
     kind = "attention" if any(packet(n) in _ATTENTION for n in specs) or any(
         packet(n) in _ATTENTION for n, _ in cuts) else "mlp"
     return Region(
         row=row, columns=columns, specs=specs, cuts=cuts, kind=kind,
         column_linears={n: linears[n] for n in columns}, more_rows=tuple(rows[1:]),
     )
+
+
+def _linear_reading(node: fx.Node, user: fx.Node, linears: dict[fx.Node, LinearMatch]) -> LinearMatch | None:
+    """The linear that reads ``node`` as its activation, directly or through views and moves
+    that read nothing else (``params_proj(u.transpose(1, 2))``), if ``user`` leads to one."""
+    while user not in linears:
+        if packet(user) not in MOVES_ONLY or len(user.users) != 1 or user.args[0] is not node:
+            return None
+        node, user = user, next(iter(user.users))
+    lm = linears[user]
+    return lm if lm.weight_piece is None and lm.input is node else None
+
+
+class _ReadOnItsFeatures(ShardingError):
+    """The block's split tensor is read by linears that contract over the split features (Mamba's
+    ``x_proj`` reads the convolved channels that ``out_proj`` also reads): walked again with them
+    as rows of the block, their outputs partial sums reduced where they are read."""
+
+    def __init__(self, message: str, linears: list[LinearMatch]):
+        super().__init__(message)
+        self.linears = linears
+
+
+def _walk_with_inner_rows(graph: fx.Graph, lm: LinearMatch, err: ShardingError, linears: dict[fx.Node, LinearMatch],
+                          derived: set[fx.Node], tp: int, exits: Container[fx.Node]) -> Region | None:
+    """The block of ``lm`` with the linears that read its split tensor on their input features
+    as more rows (``err`` names them), or None if no such block walks at tp=1 and ``tp``."""
+    rows = [lm]
+    for _ in range(8):  # each retry adds at least one row; a block has few
+        if not isinstance(err, _ReadOnItsFeatures):
+            return None
+        rows += [r for r in err.linears if r not in rows]
+        try:
+            trace_region(graph, rows, linears, derived, 1, exits)
+        except ShardingError as again:
+            err = again
+            continue
+        try:
+            return trace_region(graph, rows, linears, derived, tp, exits)
+        except ShardingError:
+            return None
+    return None
 
 
 def _walks(graph: fx.Graph, lm: LinearMatch, linears: dict[fx.Node, LinearMatch], derived: set[fx.Node],
@@ -493,6 +555,14 @@ def analyze(captured: CapturedGraph, tp: int, exits: Container[fx.Node] = ()) ->
         except ShardingError as err:
             workable = [c for c in range(1, 65) if _walks(graph, lm, linears, derived, c)]
             indivisible.append(divisibility_message(structure, tp, err, workable))
+    for node, err in list(failures.items()):
+        if node not in failures or not isinstance(err, _ReadOnItsFeatures):
+            continue
+        region = _walk_with_inner_rows(graph, linears[node], err, linears, derived, tp, exits)
+        if region is not None:
+            regions.append(region)
+            for lm in region.rows:
+                failures.pop(lm.node, None)
     for group in _rows_on_one_split(graph, [linears[n] for n in failures]):
         try:
             trace_region(graph, group, linears, derived, 1, exits)

@@ -71,19 +71,38 @@ _MADE_FROM_METADATA = frozenset({aten.zeros_like, aten.ones_like, aten.empty_lik
                                  aten.new_ones, aten.new_empty, aten.new_full, aten.rand_like, aten.randn_like})
 
 _GATHERS = frozenset({aten.index, aten.index_select})
-_REGATHERS = _GATHERS | {aten.unsqueeze, aten.squeeze} | VIEWS
+_PICKS = frozenset({aten.select, aten.slice})
+_REGATHERS = _GATHERS | _PICKS | {aten.unsqueeze, aten.squeeze} | VIEWS
 
 
 def _regathers(node: fx.Node, through_gathers: bool = True) -> bool:
-    """A chunk of a ``split``, rows gathered by indices (``x[idx]``, ``index_select``) or a view:
-    its gradient is laid into its input's gradient as it is (a linear map with the same
-    coefficients on every rank), never into a larger tensor than the rows all such readers take
-    together (a slice is not one: its input may be far larger)."""
+    """A chunk of a ``split``, rows gathered by indices (``x[idx]``, ``index_select``), a view, or
+    a slice or ``select`` of its input: its gradient is laid into its input's gradient as it is (a
+    linear map with the same coefficients on every rank). A slice's input may be far larger than
+    the slice (the last position of a sequence): its f stays on the slice unless the picks of
+    the input read, together, at least as many elements as it holds (``_unpicked``)."""
     if is_getitem(node):
         return is_split(node.args[0])
     if node.op != "call_function" or not through_gathers and packet(node) in _GATHERS:
         return False
     return packet(node) in _REGATHERS
+
+
+def _numel(node: fx.Node) -> int:
+    value = node.meta.get("val")
+    return value.numel() if isinstance(value, torch.Tensor) else 0
+
+
+def _unpicked(node: fx.Node, readers: list[fx.Node], plan: GradientPlan, state: dict, deferred: dict) -> None:
+    """Slices of ``node`` that left their partial gradients for ``node`` to sum get their own f
+    when together they read fewer elements than ``node`` holds: one f on ``node`` would move
+    more bytes than theirs. A scan over time that picks every step (``into[:, i]``) keeps one
+    f on the whole tensor instead of one per step."""
+    picked = [u for u in readers if u in deferred and packet(u) in _PICKS]
+    if picked and sum(_numel(u) for u in picked) < _numel(node):
+        for u in picked:
+            plan.f_edges[u] = deferred.pop(u)
+            state[u] = "full"
 
 
 def needs_gradient(gm: fx.GraphModule, sources: set[fx.Node]) -> set[fx.Node]:
@@ -149,6 +168,7 @@ def gradient_plan(
         if placement != REPLICATED:
             continue
         readers = [u for u in node.users if prop.reads.get(u, {}).get(node, REPLICATED) is not None]
+        _unpicked(node, readers, plan, state, deferred)
         kinds = {u: edge(u, node) for u in readers}
         partial = [u for u, k in kinds.items() if k == "partial"]
         if not partial:

@@ -543,3 +543,39 @@ def test_a_partial_sum_times_a_split_operand_or_itself_is_reduced_first():
     assert forward_rule(mul, {y: PARTIAL, g: whole(0, 16)}.get, ctx) is None
     square = [n for n in captured.gm.graph.nodes if n.target is aten.mul.Tensor][1]
     assert forward_rule(square, {z: PARTIAL}.get, ctx) is None  # z * z is not linear in z
+
+
+class PickedSteps(nn.Module):
+    """A column linear's split features scaled, step by step, by rows picked from a replicated
+    tensor ``c`` (a scan reading its output matrix one time step at a time)."""
+
+    def __init__(self, steps: int):
+        super().__init__()
+        self.up = nn.Linear(8, 16, bias=False)
+        self.mix = nn.Linear(8, 1, bias=False)
+        self.down = nn.Linear(16, 8, bias=False)
+        self.steps = steps
+
+    def forward(self, x):  # x: [b, t, 8]
+        h = self.up(x)                                     # [b, t, 16] split on features
+        c = self.mix(x)                                    # [b, t, 1] replicated
+        ys = [h[:, i] * c[:, i] for i in range(self.steps)]
+        return self.down(torch.stack(ys, 1))
+
+
+def test_partial_gradients_of_picked_steps_meet_where_the_picks_cover_their_source():
+    """Every step picked: one f on ``c`` instead of one per step. Only the last step picked
+    (``c[:, -1]``, a quarter of ``c``): the f stays on the pick, moving a quarter of the bytes."""
+    seeds = {"up.weight": whole(0, 16), "down.weight": whole(1, 16)}
+    gm, prop, grads, _ = _run(PickedSteps(4), (torch.randn(2, 4, 8),), seeds)
+    mix = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.linear.default][1]
+    assert list(grads.f_edges) == [mix], grads.f_edges
+
+    class LastStep(PickedSteps):
+        def forward(self, x):
+            h = self.up(x)
+            return self.down(h[:, -1] * self.mix(x)[:, -1])
+
+    gm, prop, grads, _ = _run(LastStep(1), (torch.randn(2, 4, 8),), seeds)
+    (f_at,) = grads.f_edges
+    assert f_at.target is aten.select.int, f_at

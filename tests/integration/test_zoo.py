@@ -94,6 +94,7 @@ EXPECTED: dict[str, tuple] = {
     # name: (tp=2 with SP, tp=4 without SP), as measured by tools/sweep_zoo.py
     "llama_reference": (EQUAL, EQUAL),
     "fused_multi_query": (EQUAL, EQUAL),
+    "selective_scan": (EQUAL, EQUAL),
     "einsum_attention": (EQUAL, EQUAL),
     "matmul_masked_softmax": (EQUAL, EQUAL),
     "gptj_interleaved_rotary": (EQUAL, EQUAL),

@@ -1546,6 +1546,71 @@ class InPlaceResultLM(InPlaceLM):
 # the registry
 
 
+# --------------------------------------------------------------------------------------------
+# 30. a selective state-space mixer (Mamba-style) beside attention layers: the expanded channels
+#     convolved per channel, a small projection of them (step size, input and output matrices) read
+#     back into the scan, the step-size projection applied as ``weight @ x``, a Python loop over time
+
+
+class SelectiveScan(nn.Module):
+    def __init__(self, d=HIDDEN, expand=2, state=8, rank=4, kernel=3):
+        super().__init__()
+        self.inner, self.state, self.rank = expand * d, state, rank
+        self.in_proj = nn.Linear(d, 2 * self.inner, bias=False)
+        self.conv = nn.Conv1d(self.inner, self.inner, kernel, groups=self.inner, padding=kernel - 1)
+        self.params_proj = nn.Linear(self.inner, rank + 2 * state, bias=False)
+        self.step = nn.Linear(rank, self.inner)
+        self.log_decay = nn.Parameter(torch.log(torch.arange(1, state + 1, dtype=torch.float)).repeat(self.inner, 1))
+        self.skip = nn.Parameter(torch.ones(self.inner))
+        self.out_proj = nn.Linear(self.inner, d, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        u, gate = self.in_proj(x).chunk(2, dim=-1)
+        u = F.silu(self.conv(u.transpose(1, 2))[..., :t])                       # [b, inner, t]
+        step, into, out_of = self.params_proj(u.transpose(1, 2)).split([self.rank, self.state, self.state], -1)
+        step = F.softplus(self.step.weight @ step.transpose(1, 2) + self.step.bias[:, None])  # [b, inner, t]
+        decay = -torch.exp(self.log_decay)                                       # [inner, state]
+        h = x.new_zeros(b, self.inner, self.state)
+        ys = []
+        for i in range(t):
+            dt = step[:, :, i, None]
+            h = torch.exp(dt * decay) * h + dt * into[:, i, None, :] * u[:, :, i, None]
+            ys.append((h * out_of[:, i, None, :]).sum(-1))
+        y = (torch.stack(ys, -1) + u * self.skip[:, None]) * F.silu(gate.transpose(1, 2))
+        return self.out_proj(y.transpose(1, 2))
+
+
+class SelectiveScanLM(nn.Module):
+    """Layers alternate a selective-scan mixer and causal attention, each with an MLP; RMSNorm."""
+
+    def __init__(self, vocab=128, d=HIDDEN, n_head=HEADS, n_layer=LAYERS):
+        super().__init__()
+        self.n_head = n_head
+        self.wte = nn.Embedding(vocab, d)
+        self.mixers = nn.ModuleList(SelectiveScan(d) if i % 2 == 0 else nn.ModuleDict(dict(
+            qkv=nn.Linear(d, 3 * d, bias=False), proj=nn.Linear(d, d, bias=False))) for i in range(n_layer))
+        self.norms = nn.ModuleList(nn.RMSNorm(d) for _ in range(2 * n_layer))
+        self.mlps = nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.SiLU(), nn.Linear(2 * d, d))
+                                  for _ in range(n_layer))
+        self.norm_f = nn.RMSNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx, targets=None):
+        b, t = idx.shape
+        x = self.wte(idx)
+        for i, mixer in enumerate(self.mixers):
+            h = self.norms[2 * i](x)
+            if isinstance(mixer, SelectiveScan):
+                x = x + mixer(h)
+            else:
+                q, k, v = (z.view(b, t, self.n_head, -1).transpose(1, 2) for z in mixer["qkv"](h).chunk(3, -1))
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                x = x + mixer["proj"](y.transpose(1, 2).reshape(b, t, -1))
+            x = x + self.mlps[i](self.norms[2 * i + 1](x))
+        return _loss_or_logits(self.lm_head(self.norm_f(x)), targets)
+
+
 @dataclass(frozen=True)
 class Entry:
     build: Callable[[], nn.Module]
@@ -1635,6 +1700,8 @@ ZOO: dict[str, Entry] = {
                                 "with einsum, F.embedding, F.rms_norm, vocabulary 257"),
     "buffer_key": Entry(BufferKeyLM, "key assembled in a new_empty buffer by copy_ into two slices and read "
                         "through the buffer (DeepSeek MLA's expand_kv), K/V from a normed latent"),
+    "selective_scan": Entry(SelectiveScanLM, "Mamba-style selective scan beside attention: per-channel conv, a "
+                            "projection of the channels read back into a Python loop over time, weight @ x"),
     "inplace_result": Entry(InPlaceResultLM, "in-place mul_, triu_, masked_fill_ read through their own results"),
 }
 
