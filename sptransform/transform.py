@@ -60,6 +60,7 @@ from sptransform.graph.nodes import data_dependent, describe, shape_of
 from sptransform.graph.placement import DimShard
 from sptransform.graph.plan import ParallelGraph, ParallelPlan, ParamPlacement
 from sptransform.graph.propagate import Propagation, SequenceSplit, propagate
+from sptransform.graph.read_split import gathering, split_parameters
 from sptransform.options import GRAPH_COMPILERS, GraphCompiler, ParallelOptions, PipelineOptions, RematOptions
 from sptransform.passes.base import Pass, PassResult, run_logged, run_passes
 from sptransform.passes.canonicalize import (
@@ -244,7 +245,28 @@ def _propagate(gm: fx.GraphModule, build: Build) -> PassResult:
         build.propagation = run({**seeds, **split_inputs})
         users = build.captured.user_placeholders
         build.plan.input_specs.update({users.index(node): spec for node, spec in split_inputs.items()})
+    if build.options.ep == 1:  # (expert parallelism places the experts' parameters itself)
+        _store_read_splits(build, lambda more: run({**seeds, **split_inputs, **more}))
     return PassResult(gm, False)
+
+
+def _store_read_splits(build: Build, run: Callable[[dict], Propagation]) -> None:
+    """Replicated parameters that every reader cuts to one even split are stored so
+    (``graph.read_split``); a seed whose split makes a reader gather is dropped and the rest tried
+    again."""
+    untied = {node: name for node, name in build.params.items() if name not in build.captured.tied}
+    found = split_parameters(untied, build.propagation, build.constant, build.options.tp)
+    for _ in range(3):
+        if not found:
+            return
+        trial = run(found)
+        bad = gathering(trial, found, build.constant)
+        if not bad:
+            build.propagation = trial
+            for node, spec in found.items():
+                build.placements[build.params[node]] = ParamPlacement(spec, "split as every reader reads it")
+            return
+        found = {node: spec for node, spec in found.items() if node not in bad}
 
 
 def _split_input_seeds(build: Build) -> dict[fx.Node, DimShard]:
