@@ -173,7 +173,8 @@ def _analyse(gm: fx.GraphModule, build: Build) -> PassResult:
     tp, sp = build.options.tp, build.options.sp
     analysis = analyze(build.captured, tp, _kept_outputs(build))
     if sp and analysis.seq_len is None:
-        raise ValueError("sp=True needs an attention to find the sequence dim; none was found: pass sp=False")
+        raise ValueError("sp=True needs an attention or a short convolution over the sequence to find the sequence "
+                         "dim; none was found: pass sp=False")
     if sp and analysis.seq_len % tp:
         raise ValueError(
             f"sequence length {analysis.seq_len} is not divisible by tp={tp}; sequence parallelism splits "
@@ -215,13 +216,18 @@ def _parallel_plan(gm: fx.GraphModule, build: Build) -> PassResult:
         plan.vocab = analysis.head.out_features
         plan.vocab_per_rank = -(-plan.vocab // tp)
     plan.notes.extend(analysis.notes)
-    plan.linears = (sum(1 for lm in analysis.linears.values()
-                        if placements.get(lm.weight_name) is not None and placements[lm.weight_name].spec is not None),
-                    len(analysis.linears))
+    plan.linears = _split_linears(analysis, placements)
     state = dict(zip(captured.state_placeholders, captured.state_names))
     build.plan = plan
     build.params = {node: name for node, name in state.items() if name in captured.param_names}
     return PassResult(gm, True)
+
+
+def _split_linears(analysis: ModelAnalysis, placements: Mapping[str, ParamPlacement]) -> tuple[int, int]:
+    """(linears whose weight is split, linears)."""
+    return (sum(1 for lm in analysis.linears.values()
+                if placements.get(lm.weight_name) is not None and placements[lm.weight_name].spec is not None),
+            len(analysis.linears))
 
 
 def _propagate(gm: fx.GraphModule, build: Build) -> PassResult:
@@ -265,6 +271,7 @@ def _store_read_splits(build: Build, run: Callable[[dict], Propagation]) -> None
             build.propagation = trial
             for node, spec in found.items():
                 build.placements[build.params[node]] = ParamPlacement(spec, "split as every reader reads it")
+            build.plan.linears = _split_linears(build.analysis, build.placements)
             return
         found = {node: spec for node, spec in found.items() if node not in bad}
 

@@ -42,6 +42,7 @@ from sptransform.graph.nodes import (
 from sptransform.graph.placement import DimShard, ParamPlacement, whole
 from sptransform.graph.reasons import divisibility_message, whole_reasons
 from sptransform.graph.rules.forward import READS_METADATA_ONLY
+from sptransform.graph.rules.links import einsum_subscripts, is_depthwise
 from sptransform.graph.rules import (
     CUT, ShardingError, input_specs_for_output, is_getitem, is_split, reduces_into_alike_outputs, slice_bounds,
     slices_input_spec, split_chunks, split_dim, split_input_spec,
@@ -187,6 +188,38 @@ def _batched_experts(node: fx.Node, captured: CapturedGraph) -> LinearMatch | No
     return None
 
 
+def _einsum_linear(node: fx.Node, captured: CapturedGraph) -> LinearMatch | None:
+    """``einsum("bsd,dnh->bnsh", x, W)`` with ``W`` a parameter read as it is: a linear whose input
+    features are the letters ``x`` and ``W`` share and the output drops, and whose output
+    features are ``W``'s letters the output keeps; it is split along the outermost of each (the
+    heads ``n`` of ``W[d, n, h]``). A letter in ``x``, ``W`` and the output (a batch of weights,
+    experts) is not a linear of this kind."""
+    found = einsum_subscripts(node)
+    if found is None or routes(node):
+        return None
+    subscripts, out = found
+    for w_side in (1, 0):
+        placeholder, perm, piece = _param_through_views(node.args[1][w_side], captured)
+        if placeholder is None or perm is not None or piece is not None \
+                or node.args[1][w_side] is not placeholder:
+            continue
+        x, xs, ws = node.args[1][1 - w_side], subscripts[1 - w_side], subscripts[w_side]
+        if _param_through_views(x, captured)[0] is not None or any(c in xs and c in out for c in ws):
+            return None
+        outs = [c for c in ws if c in out]
+        ins = [c for c in ws if c in xs]
+        if not outs or not ins or len(outs) + len(ins) != len(ws):
+            return None
+        shape = shape_of(placeholder)
+        return LinearMatch(
+            node=node, input=x, weight=placeholder, weight_name=captured.param_of(placeholder),
+            out_dim=ws.index(outs[0]), bias=None, bias_name=None,
+            in_features=shape[ws.index(ins[0])], out_features=shape[ws.index(outs[0])],
+            in_dim=ws.index(ins[0]), input_dim=xs.index(ins[0]), output_dim=out.index(outs[0]),
+        )
+    return None
+
+
 def find_linears(captured: CapturedGraph) -> dict[fx.Node, LinearMatch]:
     """Every matmul-like op with a parameter operand, or a piece of one along its output features
     (a fused projection taken apart: torch's ``nn.MultiheadAttention`` cross-attention splits
@@ -200,6 +233,11 @@ def find_linears(captured: CapturedGraph) -> dict[fx.Node, LinearMatch]:
         sides = -1  # the dim of input and output that holds the features
         if p is aten.bmm:
             match = _batched_experts(node, captured)
+            if match is not None:
+                found[node] = match
+            continue
+        if p is aten.einsum:
+            match = _einsum_linear(node, captured)
             if match is not None:
                 found[node] = match
             continue
@@ -744,12 +782,18 @@ def _reads_user_ids(embedding: EmbeddingMatch, captured: CapturedGraph) -> bool:
 
 def _query_length(graph: fx.Graph) -> int | None:
     """The sequence length as attention sees it: rows of the score matrix of the first attention
-    (a fused kernel, or a softmax over a square-ish score matrix)."""
+    (a fused kernel, or a softmax over a square-ish score matrix). A model with no attention
+    (Mamba, the state-space halves of hybrids) has it as the length a short convolution slides
+    over: a depthwise 1-D convolution's input ``[batch, channels, time]``."""
     for node in graph.nodes:
         if packet(node) is aten.scaled_dot_product_attention:
             return shape_of(node.args[0])[-2]
         if packet(node) in (aten.softmax, aten._softmax) and len(shape_of(node) or ()) >= 3:
             return shape_of(node)[-2]
+    for node in graph.nodes:
+        if packet(node) in (aten.convolution, aten.conv1d) and len(shape_of(node.args[1]) or ()) == 3 \
+                and is_depthwise(node):
+            return shape_of(node.args[0])[-1]
     return None
 
 

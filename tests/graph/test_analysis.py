@@ -217,3 +217,32 @@ def test_a_row_linear_fed_by_no_column_and_no_attention_stays_whole():
 
     analysis = _analyze(TwoLinears(), _ids((2, 8)))
     assert not analysis.regions and "b.weight" in analysis.whole_reasons
+
+
+def test_einsum_with_a_parameter_is_a_linear_split_along_its_outermost_feature_letters():
+    """``einsum("bsd,dnh->bnsh", x, W)``: input features ``d``, output features ``n, h`` (split by
+    the heads ``n``, W's dim 1); ``"bnsh,nhd->bsd"`` contracts ``n, h`` (row-parallel along ``n``,
+    W's dim 0). An expert-batched ``"etk,ekn->etn"`` (``e`` in both operands and the output) is
+    not such a linear."""
+    import torch.nn as nn
+
+    class Einsums(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wq = nn.Parameter(torch.randn(16, 4, 4))
+            self.wo = nn.Parameter(torch.randn(4, 4, 16))
+            self.experts = nn.Parameter(torch.randn(2, 16, 16))
+
+        def forward(self, x):
+            q = torch.einsum("bsd,dnh->bnsh", x, self.wq)
+            y = torch.einsum("bnsh,nhd->bsd", q.relu(), self.wo)
+            return torch.einsum("etk,ekn->etn", y.expand(2, -1, -1, -1).flatten(1, 2), self.experts).sum()
+
+    analysis = _analyze(Einsums(), (torch.randn(2, 3, 16),))
+    by_weight = {lm.weight_name: lm for lm in analysis.linears.values()}
+    assert set(by_weight) == {"wq", "wo"}
+    wq, wo = by_weight["wq"], by_weight["wo"]
+    assert (wq.out_dim, wq.weight_in_dim, wq.input_dim, wq.output_dim) == (1, 0, 2, 1)
+    assert (wo.out_dim, wo.weight_in_dim, wo.input_dim, wo.output_dim) == (2, 0, 1, 2)
+    (region,) = analysis.regions
+    assert region.row is wo and set(region.columns) == {wq.node}

@@ -54,7 +54,7 @@ CASES = [  # (model type, experts implementation, sequence parallel)
 ]
 LAYERS = {"lfm2_moe": 2, "qwen3_next": 2}
 """Layers of the families whose first layer is not the subject alone (default one): LFM2-MoE's first is
-its short-conv block, Qwen3-Next's a gated delta-net with no attention (SP needs one to find the sequence)."""
+its short-conv block, Qwen3-Next's a gated delta-net with no attention (its attention layer is the second)."""
 
 
 def _model(family: str, experts: str):

@@ -16,6 +16,7 @@ import torch.fx as fx
 from sptransform.graph.nodes import is_grouped_mm, packet, shape_of
 from sptransform.graph.placement import PARTIAL, REPLICATED, DimShard, whole
 from sptransform.graph.rules.base import Decision, LinksRule, RuleContext, replicated_like, same_for_each_output
+from sptransform.graph.rules.links import einsum_subscripts
 from sptransform.graph.rules.geometry import is_split, reshape_spec, slice_bounds, slice_output_spec, split_dim, split_output_specs
 
 aten = torch.ops.aten
@@ -146,6 +147,16 @@ def _contraction(node: fx.Node, links: LinksRule):
     """(a, b, bias, a's contracted dim, b's contracted dim, out dims from a, out dims from b): the
     operands' links are the op's own, the contracted dims are the ones no output dim links to."""
     p = packet(node)
+    if p is aten.einsum:
+        found = einsum_subscripts(node)
+        if found is None:
+            return None
+        (sa, sb), out = found
+        contracted = [c for c in sa if c in sb and c not in out]
+        if not contracted:
+            return None
+        (a, from_a), (b, from_b) = links(node)[0][:2]
+        return a, b, None, sa.index(contracted[0]), sb.index(contracted[0]), from_a, from_b
     if p not in (aten.linear, aten.addmm) and (_ndim(node.args[0]) < 2 or _ndim(node.args[1]) < 2):
         return None
     (a, from_a), (b, from_b) = links(node)[0][:2]

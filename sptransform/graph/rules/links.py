@@ -293,6 +293,34 @@ def grouped_mm_links(node: fx.Node) -> tuple[Links, set[int]]:
     return [(x, {}), (w, {1: 2}), (offs, {})], {0}
 
 
+def einsum_subscripts(node: fx.Node) -> tuple[list[str], str] | None:
+    """``einsum(equation, [a, b])`` -> (each operand's letters, the output's) for an explicit
+    equation over two operands, each letter once per operand; None otherwise (``...``)."""
+    equation, operands = node.args[0], node.args[1]
+    if not isinstance(equation, str) or "->" not in equation or "." in equation or len(operands) != 2:
+        return None
+    ins, out = equation.replace(" ", "").split("->")
+    parts = ins.split(",")
+    if len(parts) != 2 or any(len(set(p)) != len(p) for p in (*parts, out)):
+        return None
+    if any(len(p) != len(shape_of(o) or ()) for p, o in zip(parts, operands)):
+        return None
+    return parts, out
+
+
+def einsum_links(node: fx.Node) -> tuple[Links, set[int]]:
+    """Each output letter links to the same letter in each operand that has it; letters in both
+    operands but not in the output are contracted (``matmul_forward`` makes their split a
+    partial sum)."""
+    found = einsum_subscripts(node)
+    if found is None:
+        raise KeyError("not an explicit two-operand einsum")
+    (sa, sb), out = found
+    a, b = node.args[1]
+    return [(a, {o: sa.index(c) for o, c in enumerate(out) if c in sa}),
+            (b, {o: sb.index(c) for o, c in enumerate(out) if c in sb})], set()
+
+
 def linear_links(node: fx.Node) -> tuple[Links, set[int]]:
     """``linear(x, w, b)``: tokens link to ``x``, output features to ``w``'s rows and ``b``."""
     x, w = node.args[0], node.args[1]

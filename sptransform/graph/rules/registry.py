@@ -61,7 +61,7 @@ from sptransform.graph.rules.forward import (
 from sptransform.graph.rules.geometry import SPLIT_PACKETS, VIEWS
 from sptransform.graph.rules.links import (
     POINTWISE as POINTWISE_PACKETS, REDUCING_OVERLOADS, REDUCTIONS, addmm_links, grouped_mm_links, reduction_links,
-    CONVOLUTIONS, TRIANGLES, cat_links, conv_links, embedding_links, triangle_links,
+    CONVOLUTIONS, TRIANGLES, cat_links, conv_links, einsum_links, embedding_links, triangle_links,
     expand_links, index_add_links, index_links, index_select_links, linear_links, matmul_links, norm_links,
     permute_links, pointwise_links,
     repeat_interleave_links, sdpa_links, select_links, slice_links, squeeze_links, t_links, transpose_links,
@@ -119,6 +119,7 @@ RULES: dict[object, OpRule] = {
     **{p: OpRule(conv_links, linked_forward, linked_backward) for p in CONVOLUTIONS},
     **{p: OpRule(triangle_links, linked_forward, linked_backward) for p in TRIANGLES},
     aten.mm: OpRule(matmul_links, matmul_forward, linked_backward),
+    aten.einsum: OpRule(einsum_links, matmul_forward, linked_backward),
     aten.bmm: OpRule(matmul_links, matmul_forward, linked_backward),
     aten.matmul: OpRule(matmul_links, matmul_forward, linked_backward),
     aten.linear: OpRule(linear_links, matmul_forward, linked_backward),
