@@ -120,7 +120,8 @@ def render(results: list[dict], meta: dict) -> str:
         "The models of `tests/models/zoo.py`: small causal LMs (2 layers, hidden 64, 4 heads unless the style "
         "needs others, vocabularies 97-257) written in styles `transformers` does not use, each called as "
         "`model(idx, targets)` on 2 x 16 tokens in train() mode; then `sptransform.verify` at tp=2 with SP and "
-        "at tp=4 without (simulated ranks, 1 SGD step, rtol 1e-4). Words as in the section above.",
+        f"at tp=4 without ({meta.get('engine', 'simulated ranks, float32').split(', ')[0]}, 1 SGD step, rtol 1e-4)"
+        f"{'; ' + meta['note'] if meta.get('note') else ''}. Words as in the section above.",
         "",
         "### Totals",
         "",
