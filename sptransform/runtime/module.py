@@ -62,6 +62,32 @@ from sptransform.runtime.zero import regather_saved
 from sptransform.torch_internals import local_tensor_mode, pytree
 
 
+def _local_shard(value: DTensor) -> torch.Tensor:
+    """This rank's shard of a parameter, its gradient a DTensor like the parameter."""
+    uneven = any(isinstance(p, Shard) and p.dim > 0 and value.shape[p.dim] % value.device_mesh.size(i)
+                 for i, p in enumerate(value.placements))
+    return _UnevenLocal.apply(value) if uneven else value.to_local()
+
+
+class _UnevenLocal(torch.autograd.Function):
+    """``to_local`` of a parameter split unevenly along a dim after the first (a vocabulary-parallel
+    head stored ``[hidden, vocab]``, 257 columns as 129 + 128). torch's backward of ``to_local``
+    derives the gradient's global strides from the local gradient, which differ per rank for such
+    a split, and on simulated ranks are a SymInt that DTensor cannot hash (the zoo's
+    ``einsum_projections`` raised in backward). The gradient takes the parameter's own shape and
+    strides instead."""
+
+    @staticmethod
+    def forward(ctx, value: DTensor) -> torch.Tensor:
+        ctx.like = (value.device_mesh, value.placements, value.shape, value.stride())
+        return value.to_local()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> DTensor:
+        mesh, placements, shape, stride = ctx.like
+        return DTensor.from_local(grad, mesh, placements, shape=shape, stride=stride)
+
+
 class GraphFactory(Protocol):
     """Builds the parallel graph of an input signature (captured with the template's submodules
     in ``modes`` and its state in ``dtypes``) and, with recompute, its partitioned runner. Owns
@@ -334,7 +360,7 @@ class ParallelModule(ModuleCore):
         state = []
         for source in cached.state_sources:
             value = source if isinstance(source, torch.Tensor) else getattr(*source)
-            state.append(value.to_local() if isinstance(value, DTensor) else value)
+            state.append(_local_shard(value) if isinstance(value, DTensor) else value)
         flat_inputs = pytree.tree_leaves((tuple(args), dict(kwargs)))
         extra = [self._rank] if cached.graph.plan is not None else []
         return [*state, *flat_inputs, *extra]

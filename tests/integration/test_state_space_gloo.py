@@ -11,7 +11,9 @@ Cases: the zoo's ``selective_scan`` (its own code, float64 throughout, beside at
 SP); HF Mamba (tp=2 + SP: no attention, the sequence dim found at its short convolution) and
 Jamba (tp=2 + SP), float32 as the sweep runs
 them, since transformers' Mamba casts its decay and skip to float32 inside a float64 model.
-Loss and every gradient at 3 AdamW steps, and the parameters after two. One spawn of 2 ranks."""
+Also the zoo's ``einsum_projections`` (every projection an ``einsum`` of a raw parameter, its head
+split unevenly along its 257 columns). Loss and every gradient at 3 AdamW steps, and the
+parameters after two. One spawn of 2 ranks."""
 
 from __future__ import annotations
 
@@ -34,6 +36,9 @@ CASES = (  # (model, sp, the share of the parameter bytes a rank may hold at tp=
     ("selective_scan", True, 0.51),  # 0.502 (0.656 with the mixer whole)
     ("mamba", True, 0.51),  # 0.501 (0.92 before; SP's sequence dim from its short convolution)
     ("jamba", True, 0.51),  # 0.502 (0.59 before)
+    # not a state-space model: projections as einsum of raw parameters, the head [hidden, 257]
+    # split unevenly along its columns (1.00 when einsum was no linear)
+    ("einsum_projections", True, 0.51),
 )
 
 
