@@ -539,8 +539,8 @@ def _worker(rank: int, world: int, port: int, folder: str, timeout_s: float) -> 
     torch.save(runs, os.path.join(folder, f"rank{rank}.pt"))
     # Its result saved, the rank leaves without tearing the interpreter down: that teardown has
     # aborted a rank after its save (SIGABRT, "terminate called without an active exception", a
-    # C++ thread destroyed at exit; HF FalconMamba at tp=2: 5 runs in 23, before and after its
-    # mixer was split), and the parent would report that crash instead of the saved verdict.
+    # C++ thread destroyed at exit; HF FalconMamba at tp=2: 6 of the 29 runs counted, before and
+    # after its mixer was split), and the parent would report that crash instead of the saved verdict.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -203,9 +203,8 @@ def _einsum_linear(node: fx.Node, captured: CapturedGraph) -> LinearMatch | None
         return None
     subscripts, out = found
     for w_side in (1, 0):
-        placeholder, perm, piece = _param_through_views(node.args[1][w_side], captured)
-        if placeholder is None or perm is not None or piece is not None \
-                or node.args[1][w_side] is not placeholder:
+        placeholder = node.args[1][w_side]
+        if captured.param_of(placeholder) is None:
             continue
         x, xs, ws = node.args[1][1 - w_side], subscripts[1 - w_side], subscripts[w_side]
         if _param_through_views(x, captured)[0] is not None or any(c in xs and c in out for c in ws):
