@@ -289,6 +289,52 @@ def test_a_slice_of_a_fused_dim_keeps_the_segments_it_takes_whole():
 
 
 # ---------------------------------------------------------------------------
+# ops along one dim (top-k, sort) and scatters
+
+
+def test_topk_keeps_a_split_of_another_dim_on_both_outputs_and_refuses_one_of_its_own():
+    gm = _graph(lambda x: aten.topk.default(x, 3, -1), torch.randn(2, 4, 6))
+    (x,), topk = _inputs(gm), _op(gm, aten.topk)
+    decision = _forward(topk, {x: whole(1, 4)})  # heads split: each rank picks among its own rows
+    assert decision.output == (whole(1, 4), whole(1, 4)) and decision.needs == {x: whole(1, 4)}
+    assert _backward(topk, whole(1, 4)) == {x: whole(1, 4)}
+    along = _forward(topk, {x: whole(2, 6)})  # the k largest of a row need the whole row
+    assert along.output == (REPLICATED, REPLICATED) and along.needs == {x: REPLICATED}
+    try:
+        _backward(topk, whole(2, 6))
+    except ShardingError as err:
+        assert "dim 2" in str(err)
+    else:
+        raise AssertionError("top-k was split along the dim it selects over")
+
+
+def test_sort_finds_its_dim_by_name_positional_or_keyword():
+    gm = _graph(lambda x: aten.sort.stable(x, stable=True, dim=1), torch.randn(4, 6))
+    (x,), sort = _inputs(gm), _op(gm, aten.sort)
+    assert _forward(sort, {x: whole(0, 4)}).output == (whole(0, 4), whole(0, 4))
+    assert _forward(sort, {x: whole(1, 6)}).output == (REPLICATED, REPLICATED)
+
+
+def test_scatter_links_every_dim_but_its_own_where_index_and_source_are_as_large():
+    x, ids = torch.zeros(2, 4, 6), torch.randint(0, 6, (2, 4, 3))
+    gm = _graph(lambda x, i: aten.scatter.value(x, -1, i, 1.0), x, ids)
+    (xn, idn), scatter = _inputs(gm), _op(gm, aten.scatter)
+    decision = _forward(scatter, {xn: whole(1, 4), idn: whole(1, 4)})
+    assert decision.output == whole(1, 4) and decision.needs == {xn: whole(1, 4), idn: whole(1, 4)}
+    assert _backward(scatter, whole(1, 4)) == {xn: whole(1, 4), idn: whole(1, 4)}
+    # an index covering the first 2 of 4 rows: rank 1's rows would read rows 0-1 of it
+    small = _graph(lambda x, i: aten.scatter.value(x, -1, i, 1.0), x, ids[:, :2])
+    (xn, idn), scatter = _inputs(small), _op(small, aten.scatter)
+    assert _forward(scatter, {xn: whole(1, 4)}).output == REPLICATED
+    try:
+        _backward(scatter, whole(1, 4))
+    except ShardingError:
+        pass
+    else:
+        raise AssertionError("a scatter was split along a dim its index covers only in part")
+
+
+# ---------------------------------------------------------------------------
 # attention, embedding
 
 

@@ -17,20 +17,12 @@ parameters after two. One spawn of 2 ranks."""
 
 from __future__ import annotations
 
-import copy
-import datetime
-import os
-import sys
-
 import pytest
-import torch
-import torch.distributed as dist
 
-from simulate import spawn_with_deadline, train_like_reference
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-from models import zoo  # noqa: E402
+from gloo_cases import model_for as _model
+from gloo_cases import train_cases
+from models import zoo
+from simulate import spawn_with_deadline
 
 CASES = (  # (model, sp, the share of the parameter bytes a rank may hold at tp=2)
     ("selective_scan", True, 0.51),  # 0.502 (0.656 with the mixer whole)
@@ -42,53 +34,9 @@ CASES = (  # (model, sp, the share of the parameter bytes a rank may hold at tp=
 )
 
 
-def _model(name: str):
-    if name in zoo.ZOO:
-        model, (idx, targets) = zoo.build(name)
-        return model.double(), {"idx": idx, "targets": targets}, (1e-9, 1e-11)
-    import sweep_transformers as sweep  # each family shrunk as the sweep shrinks it
-
-    classes = {entry["model_type"]: entry["class"] for entry in sweep.families([name])}
-    model, _, _ = sweep.build(name, classes[name], sweep.Target())
-    torch.manual_seed(1)
-    batch = dict(input_ids=torch.randint(0, 128, (2, 16)), labels=torch.randint(0, 128, (2, 16)))
-    return model, batch, (1e-4, 1e-5)
-
-
-def _worker(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
-    try:
-        import sptransform
-
-        for name, sp, bound in CASES:
-            if name not in zoo.ZOO and not _has_transformers():
-                continue
-            model, batch, close = _model(name)
-            ref = copy.deepcopy(model)
-            pm = sptransform.parallelize(model, tp=world, sp=sp, example_inputs=batch)
-            what = f"{name} sp={sp} "
-            if rank == 0:  # the figure the README quotes (pytest -s shows it)
-                print(f"{what}: each rank holds {pm.held_share():.3f} of the parameter bytes at tp={world}")
-            assert pm.held_share() <= bound, f"{what}: each rank holds {pm.held_share():.3f}\n{pm.explain()}"
-            train_like_reference(pm, ref, [batch] * 3, optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
-                                 loss_tol=close, grad_tol=close, params_tol=close, step_after_last=False, what=what)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _has_transformers() -> bool:
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 @pytest.mark.slow
 def test_selective_scan_mixers_train_like_the_original_on_gloo():
-    spawn_with_deadline(_worker, 2, 600.0)
+    spawn_with_deadline(train_cases, 2, 600.0, CASES)
 
 
 def test_selective_scan_block_is_one_region_with_two_rows():

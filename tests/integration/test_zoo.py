@@ -95,6 +95,7 @@ EXPECTED: dict[str, tuple] = {
     "llama_reference": (EQUAL, EQUAL),
     "fused_multi_query": (EQUAL, EQUAL),
     "selective_scan": (EQUAL, EQUAL),
+    "topk_mask": (EQUAL, EQUAL),
     "einsum_attention": (EQUAL, EQUAL),
     "matmul_masked_softmax": (EQUAL, EQUAL),
     "gptj_interleaved_rotary": (EQUAL, EQUAL),

@@ -1611,6 +1611,52 @@ class SelectiveScanLM(nn.Module):
         return _loss_or_logits(self.lm_head(self.norm_f(x)), targets)
 
 
+# 31. a dynamic top-k key mask (sparse attention): each head scores the keys with a linear that
+#     reads the values of all heads, keeps the `keep` best-scored keys per query (topk, scatter
+#     into a 0/1 mask) and adds the kept scores to the attention logits, the rest masked out
+
+
+class TopKMaskAttention(nn.Module):
+    def __init__(self, d=HIDDEN, n_head=HEADS, keep=6):
+        super().__init__()
+        self.n_head, self.keep = n_head, keep
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.key_score = nn.Linear(d, n_head)
+        self.proj = nn.Linear(d, d, bias=False)
+        self.register_buffer("future", torch.ones(MAX_SEQ, MAX_SEQ, dtype=torch.bool).triu(1), persistent=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, -1)
+        score = self.key_score(v).transpose(1, 2)                                  # [b, heads, keys]
+        bias = score[:, :, None, :].expand(b, self.n_head, t, t).masked_fill(self.future[:t, :t], float("-inf"))
+        best = torch.topk(bias, min(self.keep, t), dim=-1).indices
+        kept = torch.zeros_like(bias).scatter(-1, best, 1.0)
+        bias = bias.masked_fill(kept == 0, float("-inf"))
+        q, k, v = (z.view(b, t, self.n_head, -1).transpose(1, 2) for z in (q, k, v))
+        att = torch.softmax(q @ k.mT / math.sqrt(q.size(-1)) + bias, dim=-1)
+        return self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class TopKMaskLM(nn.Module):
+    def __init__(self, vocab=128, d=HIDDEN, n_layer=LAYERS):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.attn = nn.ModuleList(TopKMaskAttention(d) for _ in range(n_layer))
+        self.mlps = nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+                                  for _ in range(n_layer))
+        self.norms = nn.ModuleList(nn.RMSNorm(d) for _ in range(2 * n_layer))
+        self.norm_f = nn.RMSNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx, targets=None):
+        x = self.wte(idx)
+        for i, (attn, mlp) in enumerate(zip(self.attn, self.mlps)):
+            x = x + attn(self.norms[2 * i](x))
+            x = x + mlp(self.norms[2 * i + 1](x))
+        return _loss_or_logits(self.lm_head(self.norm_f(x)), targets)
+
+
 @dataclass(frozen=True)
 class Entry:
     build: Callable[[], nn.Module]
@@ -1702,6 +1748,8 @@ ZOO: dict[str, Entry] = {
                         "through the buffer (DeepSeek MLA's expand_kv), K/V from a normed latent"),
     "selective_scan": Entry(SelectiveScanLM, "Mamba-style selective scan beside attention: per-channel conv, a "
                             "projection of the channels read back into a Python loop over time, weight @ x"),
+    "topk_mask": Entry(TopKMaskLM, "dynamic sparse attention: per-head key scores from a linear over all "
+                       "heads' values, topk keys per query scattered into a 0/1 mask, scores added to the logits"),
     "inplace_result": Entry(InPlaceResultLM, "in-place mul_, triu_, masked_fill_ read through their own results"),
 }
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from sptransform.graph.nodes import is_grouped_mm, packet, shape_of
+from sptransform.graph.nodes import is_grouped_mm, output_shape, packet, shape_of
 from sptransform.graph.placement import PARTIAL, REPLICATED, DimShard, whole
 from sptransform.graph.rules.base import Decision, LinksRule, RuleContext, replicated_like, same_for_each_output
 from sptransform.graph.rules.links import einsum_subscripts
@@ -82,7 +82,7 @@ def linked_forward(node: fx.Node, links: LinksRule | None, current: dict, ctx: R
 
 def _carried(spec: DimShard, arg: fx.Node, out_dim: int, node: fx.Node, p) -> DimShard | None:
     """``spec`` of input ``arg`` expressed on the output's ``out_dim``."""
-    in_size, out_size = shape_of(arg)[spec.dim], shape_of(node)[out_dim]
+    in_size, out_size = shape_of(arg)[spec.dim], output_shape(node)[out_dim]
     if in_size == out_size:
         return DimShard(out_dim, spec.segments)
     if p is aten.repeat_interleave and out_size % in_size == 0 and len(spec.segments) == 1:
@@ -91,7 +91,7 @@ def _carried(spec: DimShard, arg: fx.Node, out_dim: int, node: fx.Node, p) -> Di
 
 
 def _in_spec(out_spec: DimShard, arg: fx.Node, in_dim: int, node: fx.Node, p) -> object:
-    in_size, out_size = shape_of(arg)[in_dim], shape_of(node)[out_spec.dim]
+    in_size, out_size = shape_of(arg)[in_dim], output_shape(node)[out_spec.dim]
     if in_size == out_size:
         return DimShard(in_dim, out_spec.segments)
     if p is aten.repeat_interleave and len(out_spec.segments) == 1:

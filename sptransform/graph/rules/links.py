@@ -14,6 +14,7 @@ import torch.fx as fx
 
 from sptransform.graph.nodes import packet, shape_of
 from sptransform.graph.rules.base import Links, norm_dim
+from sptransform.torch_internals import op_schema
 
 aten = torch.ops.aten
 
@@ -177,6 +178,52 @@ def cat_links(node: fx.Node) -> tuple[Links, set[int]]:
 def index_select_links(node: fx.Node) -> tuple[Links, set[int]]:
     n = len(shape_of(node))
     return [(node.args[0], {o: o for o in range(n)})], {norm_dim(node.args[1], n)}
+
+
+ALONG_DIM = frozenset({aten.topk, aten.sort, aten.argsort, aten.kthvalue, aten.cummax, aten.cummin, aten.mode})
+"""Ops that work along one dim, each slice along it on its own (select the k largest, sort, a
+running maximum), most with two outputs (values and indices): every other dim passes a split
+through, that dim may not be split. (``cumsum`` and its kin have one output: DTensor's rules.)"""
+
+
+def dim_argument(node: fx.Node, default: int = -1) -> int:
+    """The op's ``dim`` argument, found by name in its schema (positional or keyword)."""
+    for i, arg in enumerate(op_schema(node.target).arguments):
+        if arg.name == "dim":
+            if arg.kwarg_only or i >= len(node.args):
+                return node.kwargs.get("dim", arg.default_value if arg.default_value is not None else default)
+            return node.args[i]
+    raise KeyError(packet(node))
+
+
+def along_dim_links(node: fx.Node) -> tuple[Links, set[int]]:
+    """``topk(x, k, dim)``, ``sort(x, dim)``, ``cumsum(x, dim)``: an output element reads the
+    slice of ``x`` along ``dim`` at its own position in the other dims, so those link one to one
+    (every output: values and indices alike); ``dim`` itself may not be split."""
+    x = node.args[0]
+    n = len(shape_of(x))
+    d = norm_dim(dim_argument(node), n)
+    return [(x, {o: o for o in range(n) if o != d})], {d}
+
+
+SCATTERS = frozenset({aten.scatter, aten.scatter_add, aten.scatter_reduce, aten.gather})
+
+
+def scatter_links(node: fx.Node) -> tuple[Links, set[int]]:
+    """``scatter(x, dim, ids, src)`` / ``gather(x, dim, ids)``: along ``dim`` any position may
+    land anywhere (not split); along every other dim element ``i`` reads element ``i`` of ``x``,
+    ``ids`` and ``src``, which link one to one where all their sizes equal the output's. A dim
+    where one is larger (an index covering only the first rows of ``x``) is not split either:
+    position ``i`` of a rank's piece would read row ``i`` of the whole, not its own row."""
+    out = shape_of(node)
+    n = len(out)
+    d = norm_dim(node.args[1], n)
+    args = _tensor_args(node)
+    if any(len(shape_of(a)) != n for a in args):
+        raise KeyError(packet(node))  # (torch requires equal ranks; no rule otherwise)
+    kept = {o: o for o in range(n) if o != d and all(shape_of(a)[o] == out[o] for a in args)}
+    forbidden = set(range(n)) - set(kept)
+    return [(a, dict(kept)) for a in args], forbidden
 
 
 def index_add_links(node: fx.Node) -> tuple[Links, set[int]]:

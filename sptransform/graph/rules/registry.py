@@ -60,6 +60,7 @@ from sptransform.graph.rules.forward import (
 )
 from sptransform.graph.rules.geometry import SPLIT_PACKETS, VIEWS
 from sptransform.graph.rules.links import (
+    ALONG_DIM, SCATTERS, along_dim_links, scatter_links,
     POINTWISE as POINTWISE_PACKETS, REDUCING_OVERLOADS, REDUCTIONS, addmm_links, grouped_mm_links, reduction_links,
     CONVOLUTIONS, TRIANGLES, cat_links, conv_links, einsum_links, embedding_links, triangle_links,
     expand_links, index_add_links, index_links, index_select_links, linear_links, matmul_links, norm_links,
@@ -114,6 +115,8 @@ RULES: dict[object, OpRule] = {
     # gave a KV-cache decode with one K/V head wrong logits (its self-check caught it)
     aten.cat: OpRule(cat_links, linked_forward, cat_backward),
     aten.index_select: OpRule(index_select_links, linked_forward, linked_backward),
+    **{p: OpRule(along_dim_links, linked_forward, linked_backward) for p in ALONG_DIM},
+    **{p: OpRule(scatter_links, linked_forward, linked_backward) for p in SCATTERS},
     aten.index_add: OpRule(index_add_links, linked_forward, linked_backward),
     aten.index: OpRule(index_links, linked_forward, linked_backward),
     **{p: OpRule(conv_links, linked_forward, linked_backward) for p in CONVOLUTIONS},
@@ -150,10 +153,13 @@ def rule_for(node: fx.Node) -> OpRule | None:
 
 
 def reduces_into_alike_outputs(node: fx.Node) -> bool:
-    """A reduction with several tensor outputs of one shape (``max.dim``: values and indices,
-    ``var_mean``): each output is split as the others, so a split wanted of one is the op's."""
+    """An op with several tensor outputs of one shape, each linked alike to its input (``max.dim``
+    and ``topk``: values and indices, ``var_mean``): each output is split as the others, so a
+    split wanted of one is the op's."""
     value = node.meta.get("val")
-    return rule_for(node) is REDUCTION and isinstance(value, (tuple, list)) and output_shape(node) is not None
+    rule = rule_for(node)
+    alike = rule is REDUCTION or (rule is not None and rule.links is along_dim_links)
+    return alike and isinstance(value, (tuple, list)) and output_shape(node) is not None
 
 
 def forward_rule(node: fx.Node, placement_of: PlacementOf, ctx: RuleContext) -> Decision | None:
