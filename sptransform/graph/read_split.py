@@ -55,8 +55,10 @@ def wanted_split(node: fx.Node, prop: Propagation, constant: set[fx.Node], tp: i
     if len(wanted) != 1:
         return None
     (spec,) = wanted
-    size = shape_of(node)[spec.dim]
-    return spec if spec.segments == ((0, size),) and size % tp == 0 else None
+    size, lengths = shape_of(node)[spec.dim], {length for _, length in spec.segments}
+    # one even split (Shard), or k equal segments tiling the dim (_StridedShard: a [q | k] filter bank)
+    tiles = len(lengths) == 1 and [start for start, _ in spec.segments] == list(range(0, size, next(iter(lengths))))
+    return spec if tiles and sum(lengths) * len(spec.segments) == size and size % (tp * len(spec.segments)) == 0 else None
 
 
 def split_parameters(params: dict[fx.Node, str], prop: Propagation, constant: set[fx.Node],

@@ -5,6 +5,7 @@
 
     before:  y = conv1d(x, w, b, 1, [3], 1, 8)         # depthwise: groups = channels = 8, split over tp=2
     after:   y = conv1d(x, w, b, 1, [3], 1, 4)         # x, w, b: this rank's 4 channels
+                                                        # (grouped: 16 channels in 8 groups -> 4 groups)
 
     before:  a, b = split(h, 8, 2)                      # h: [q|k], each piece split over tp=2
     after:   a, b = split_with_sizes(h, [4, 4], 2)
@@ -20,7 +21,8 @@ import torch.fx as fx
 
 from sptransform.graph.placement import DimShard
 from sptransform.graph.nodes import packet, shape_of
-from sptransform.graph.rules import GROUPS_ARG, is_depthwise, split_dim, split_output_specs
+from sptransform.graph.rules import GROUPS_ARG, split_dim, split_output_specs
+from sptransform.graph.rules.links import group_size
 
 aten = torch.ops.aten
 
@@ -49,13 +51,13 @@ def localize(node: fx.Node, spec: DimShard | None, tp: int) -> None:
         args = list(node.args)
         args[index] = local_shape(node, spec, tp)
         node.args = tuple(args)
-    elif p in GROUPS_ARG and spec.dim == 1 and is_depthwise(node):  # one group per local channel
-        # a depthwise conv with more than one channel names its groups, by position or keyword
-        index = GROUPS_ARG[p]
+    elif p in GROUPS_ARG and spec.dim == 1 and group_size(node) is not None:  # the local channels' groups
+        # a grouped conv names its groups, by position or keyword
+        index, groups = GROUPS_ARG[p], spec.local_size(tp) // group_size(node)
         if len(node.args) > index:
-            node.args = (*node.args[:index], spec.local_size(tp), *node.args[index + 1:])
+            node.args = (*node.args[:index], groups, *node.args[index + 1:])
         else:
-            node.kwargs = {**node.kwargs, "groups": spec.local_size(tp)}
+            node.kwargs = {**node.kwargs, "groups": groups}
     elif p is aten.unflatten:
         x, dim, sizes = node.args[:3]
         dim = dim % len(shape_of(x))

@@ -149,15 +149,18 @@ def test_a_depthwise_convolution_keeps_a_channel_split_and_one_that_mixes_channe
 
     gm = _graph(lambda x, w: aten.conv1d.default(x, w, None, [1], [1], [1], 2), x, torch.randn(8, 4, 3))
     (xn, wn), op = _inputs(gm), _op(gm, aten.conv1d)
-    assert _forward(op, {xn: whole(1, 8)}).output == REPLICATED  # 2 groups of 4 channels mix them
+    assert _forward(op, {xn: whole(1, 8)}, tp=4).output == REPLICATED  # 2 groups of 4 channels over 4 ranks
+    assert _forward(op, {xn: whole(1, 8)}).output == whole(1, 8)  # a group per rank
     assert _forward(op, {xn: whole(0, 2)}).output == whole(0, 2)  # the batch split passes
 
 
-def test_a_cat_along_a_split_dim_is_walked_back_in_segments_and_gathered_forward():
+def test_a_cat_along_a_split_dim_keeps_its_inputs_segments_both_ways():
     """Qwen3-Next concatenates its query, key and value channels (each split by heads) before a
     depthwise convolution: the walk back gives each input the segments inside it, and a segment
-    that straddles two inputs cannot be carried back. Forward, a split of the cat dim is gathered
-    (and cut again where a reader needs it split); another dim's split passes."""
+    that straddles two inputs cannot be carried back. Forward, inputs all split along the cat dim
+    give their segments side by side (what each rank's concatenation of its parts is); a
+    replicated input among them, or one split input beside empty ones, gathers; another dim's
+    split passes."""
     gm = _graph(lambda a, b: aten.cat.default([a, b], 1), torch.randn(2, 4, 3), torch.randn(2, 6, 3))
     (a, b), op = _inputs(gm), _op(gm, aten.cat)
     assert _backward(op, DimShard(1, ((0, 4), (4, 6)))) == {a: whole(1, 4), b: whole(1, 6)}
@@ -167,12 +170,17 @@ def test_a_cat_along_a_split_dim_is_walked_back_in_segments_and_gathered_forward
         pass
     else:
         raise AssertionError("a split of the whole cat dim does not come from splits of its inputs")
-    assert _forward(op, {a: whole(1, 4), b: whole(1, 6)}).output == REPLICATED
+    assert _forward(op, {a: whole(1, 4), b: whole(1, 6)}).output == DimShard(1, ((0, 4), (4, 6)))
+    assert _forward(op, {a: whole(1, 4)}).output == REPLICATED  # b replicated: gathered
     assert _forward(op, {a: whole(0, 2), b: whole(0, 2)}).output == whole(0, 2)
+    xa, xb = torch.randn(2, 4, 3), torch.randn(2, 6, 3)
+    rank1 = op.target([xa[:, 2:], xb[:, 3:]], 1)  # rank 1 concatenates its parts: that layout
+    torch.testing.assert_close(rank1, op.target([xa, xb], 1)[:, DimShard(1, ((0, 4), (4, 6))).indices(1, 2)])
     # a legacy empty 1-D input beside them (HF's cache code makes one) lands nowhere, read whole
     gm = _graph(lambda e, a: aten.cat.default([e, a], 1), torch.empty(0), torch.randn(2, 4, 3))
     (e, a), op = _inputs(gm), _op(gm, aten.cat)
     assert _backward(op, whole(1, 4)) == {e: None, a: whole(1, 4)}
+    assert _forward(op, {a: whole(1, 4)}).output == REPLICATED  # onto nothing (a cache's first write)
 
 
 def test_tril_keeps_a_split_of_its_batch_dims_and_never_splits_the_matrix():
@@ -332,6 +340,45 @@ def test_scatter_links_every_dim_but_its_own_where_index_and_source_are_as_large
         pass
     else:
         raise AssertionError("a scatter was split along a dim its index covers only in part")
+
+
+def test_a_grouped_convolution_keeps_a_channel_split_of_whole_groups_only():
+    """Each group of a grouped convolution (ZAYA's per-head convolution of its queries and keys)
+    reads its own channels: a split whose pieces are whole groups passes through, ``groups``
+    localized; a piece cutting a group is gathered forward and refused backward."""
+    from sptransform.passes.localize import localize
+
+    x, w = torch.randn(2, 8, 5), torch.randn(8, 2, 3)  # 4 groups of 2 channels
+    gm = _graph(lambda x, w: aten.conv1d.default(x, w, None, [1], [0], [1], 4), x, w)
+    (xn, wn), conv = _inputs(gm), _op(gm, aten.conv1d)
+    decision = _forward(conv, {xn: whole(1, 8), wn: whole(0, 8)})  # 2 groups per rank
+    assert decision.output == whole(1, 8) and decision.needs == {xn: whole(1, 8), wn: whole(0, 8)}
+    assert _backward(conv, whole(1, 8)) == {xn: whole(1, 8), wn: whole(0, 8)}
+    localize(conv, whole(1, 8), 2)
+    assert conv.args[6] == 2  # this rank's 4 channels are 2 groups
+    full = torch.nn.functional.conv1d(x, w, groups=4)
+    torch.testing.assert_close(conv.target(x[:, 4:], w[4:], *conv.args[2:]), full[:, 4:], rtol=0, atol=0)
+    gm = _graph(lambda x, w: aten.conv1d.default(x, w, None, [1], [0], [1], 4), x, w)
+    (xn, wn), conv = _inputs(gm), _op(gm, aten.conv1d)
+    cut = _forward(conv, {xn: whole(1, 8), wn: whole(0, 8)}, tp=8)  # one channel per rank: half a group
+    assert cut.output == REPLICATED and cut.needs == {xn: REPLICATED, wn: REPLICATED}
+    try:
+        _backward(conv, whole(1, 8), tp=8)
+    except ShardingError as err:
+        assert "groups" in str(err)
+    else:
+        raise AssertionError("a split cutting through a convolution's groups was accepted")
+    mixing = _graph(lambda x, w: aten.conv1d.default(x, w), x, torch.randn(8, 8, 3))  # one group: all channels
+    (xn, wn), conv = _inputs(mixing), _op(mixing, aten.conv1d)
+    assert _forward(conv, {xn: whole(1, 8)}).output == REPLICATED
+
+
+def test_padding_keeps_a_split_of_a_dim_it_does_not_pad():
+    gm = _graph(lambda x: aten.pad.default(x, [2, 0]), torch.randn(2, 8, 5))
+    (x,), pad = _inputs(gm), _op(gm, aten.pad)
+    assert _forward(pad, {x: whole(1, 8)}).output == whole(1, 8)
+    assert _forward(pad, {x: whole(2, 5)}, tp=5).output == REPLICATED  # the padded time dim
+    assert _backward(pad, whole(1, 8)) == {x: whole(1, 8)}
 
 
 # ---------------------------------------------------------------------------

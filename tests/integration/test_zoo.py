@@ -96,6 +96,7 @@ EXPECTED: dict[str, tuple] = {
     "fused_multi_query": (EQUAL, EQUAL),
     "selective_scan": (EQUAL, EQUAL),
     "topk_mask": (EQUAL, EQUAL),
+    "conv_qk": (EQUAL, EQUAL),
     "einsum_attention": (EQUAL, EQUAL),
     "matmul_masked_softmax": (EQUAL, EQUAL),
     "gptj_interleaved_rotary": (EQUAL, EQUAL),

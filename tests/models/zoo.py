@@ -1657,6 +1657,33 @@ class TopKMaskLM(nn.Module):
         return _loss_or_logits(self.lm_head(self.norm_f(x)), targets)
 
 
+# 32. queries and keys convolved over time, each head on its own (one grouped convolution over
+#     [q | k], one group per head, after a causal left pad), then sliced apart
+
+
+class ConvQKAttention(nn.Module):
+    def __init__(self, d=HIDDEN, n_head=HEADS, kernel=3):
+        super().__init__()
+        self.n_head, self.kernel = n_head, kernel
+        self.q, self.k, self.v = (nn.Linear(d, d, bias=False) for _ in range(3))
+        self.conv = nn.Conv1d(2 * d, 2 * d, kernel, groups=2 * n_head)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        qk = torch.cat([self.q(x), self.k(x)], -1).transpose(1, 2)               # [b, 2d, t]
+        qk = self.conv(F.pad(qk, (self.kernel - 1, 0))).transpose(1, 2)         # causal in time
+        q, k, v = (z.view(b, t, self.n_head, -1).transpose(1, 2) for z in (qk[..., :d], qk[..., d:], self.v(x)))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class ConvQKLM(TopKMaskLM):
+    def __init__(self, vocab=128, d=HIDDEN, n_layer=LAYERS):
+        super().__init__(vocab, d, n_layer)
+        self.attn = nn.ModuleList(ConvQKAttention(d) for _ in range(n_layer))
+
+
 @dataclass(frozen=True)
 class Entry:
     build: Callable[[], nn.Module]
@@ -1750,6 +1777,8 @@ ZOO: dict[str, Entry] = {
                             "projection of the channels read back into a Python loop over time, weight @ x"),
     "topk_mask": Entry(TopKMaskLM, "dynamic sparse attention: per-head key scores from a linear over all "
                        "heads' values, topk keys per query scattered into a 0/1 mask, scores added to the logits"),
+    "conv_qk": Entry(ConvQKLM, "queries and keys concatenated, left-padded and convolved over time per head "
+                     "(nn.Conv1d with one group per head), sliced apart after"),
     "inplace_result": Entry(InPlaceResultLM, "in-place mul_, triu_, masked_fill_ read through their own results"),
 }
 

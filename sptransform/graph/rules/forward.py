@@ -17,7 +17,7 @@ from sptransform.graph.nodes import is_grouped_mm, output_shape, packet, shape_o
 from sptransform.graph.placement import PARTIAL, REPLICATED, DimShard, whole
 from sptransform.graph.rules.base import Decision, LinksRule, RuleContext, replicated_like, same_for_each_output
 from sptransform.graph.rules.links import einsum_subscripts
-from sptransform.graph.rules.geometry import is_split, reshape_spec, slice_bounds, slice_output_spec, split_dim, split_output_specs
+from sptransform.graph.rules.geometry import cat_pieces, is_split, reshape_spec, slice_bounds, slice_output_spec, split_dim, split_output_specs
 
 aten = torch.ops.aten
 
@@ -282,6 +282,24 @@ def slice_forward(node: fx.Node, links: LinksRule | None, current: dict, ctx: Ru
         return Decision({x: spec}, out) if out is not None else Decision({x: REPLICATED}, REPLICATED)
     return linked_forward(node, links, current, ctx)
 
+
+
+def cat_forward(node: fx.Node, links: LinksRule | None, current: dict, ctx: RuleContext) -> Decision | None:
+    """Two or more inputs, every one split along the concatenated dim: the output is split in
+    their segments, side by side (each rank concatenates its parts, which is that layout: ``[q |
+    k]`` each split by heads, concatenated for a convolution over both). Anything else by the
+    links (the cat dim gathered): a replicated input among them, and a concatenation onto empty
+    tensors (a KV cache's first write: its output, returned split, must keep the layout the
+    decode step reads; split along the sequence by SP instead, the decode read it as heads and
+    its self-check found other logits)."""
+    d, pieces = cat_pieces(node)
+    specs = [(t, offset, current.get(t)) for t, offset, size in pieces if size]
+    if len(specs) < 2 or not all(isinstance(spec, DimShard) and spec.dim == d for _, _, spec in specs):
+        return linked_forward(node, links, current, ctx)
+    segments = tuple((offset + a, n) for _, offset, spec in specs for a, n in spec.segments)
+    needs = {t: spec for t, _, spec in specs}
+    needs.update({t: REPLICATED for t, _, size in pieces if not size})  # an empty 1-D input adds nothing
+    return Decision(needs, DimShard(d, segments))
 
 
 # ---------------------------------------------------------------------------

@@ -175,6 +175,17 @@ def cat_links(node: fx.Node) -> tuple[Links, set[int]]:
     return [(t, {o: o for o in range(n) if o != d}) for t in node.args[0]], {d}
 
 
+def pad_links(node: fx.Node) -> tuple[Links, set[int]]:
+    """``constant_pad_nd(x, pad)`` and ``pad(x, pad, mode)`` (any mode: reflect and replicate read
+    only along the padded dims): ``pad`` pairs from the last dim backwards; a dim padded (or
+    cropped) on either side may not be split, every other dim links one to one."""
+    x = node.args[0]
+    n = len(shape_of(x))
+    pad = node.args[1]
+    padded = {n - 1 - i for i in range(len(pad) // 2) if pad[2 * i] or pad[2 * i + 1]}
+    return [(x, {d: d for d in range(n) if d not in padded})], padded
+
+
 def index_select_links(node: fx.Node) -> tuple[Links, set[int]]:
     n = len(shape_of(node))
     return [(node.args[0], {o: o for o in range(n)})], {norm_dim(node.args[1], n)}
@@ -297,15 +308,39 @@ def is_depthwise(node: fx.Node) -> bool:
     return shape_of(w)[0] == channels == shape_of(node)[1] and shape_of(w)[1] == 1 and conv_groups(node) == channels
 
 
+def group_size(node: fx.Node) -> int | None:
+    """The channels of one group of a grouped convolution that keeps its channel count (``groups
+    > 1``, as many output channels as input ones, not transposed): output channels ``[j*g,
+    (j+1)*g)`` read input channels ``[j*g, (j+1)*g)`` and filters ``[j*g, (j+1)*g)`` only. A split
+    of the channels whose every piece holds whole groups passes through (``conv_aligned``); None
+    for any other convolution (depthwise is the case ``g == 1``)."""
+    x, w = node.args[0], node.args[1]
+    if packet(node) is aten.convolution and node.args[6]:
+        return None
+    groups, channels = conv_groups(node), shape_of(x)[1]
+    if groups <= 1 or channels != shape_of(node)[1] or shape_of(w)[0] != channels or channels % groups:
+        return None
+    return channels // groups
+
+
+def conv_aligned(node: fx.Node, segments, tp: int) -> bool:
+    """Every rank's piece of every segment is whole groups of the convolution's channels."""
+    g = group_size(node)
+    return g is not None and all(start % g == 0 and length % tp == 0 and (length // tp) % g == 0
+                                 for start, length in segments)
+
+
 def conv_links(node: fx.Node) -> tuple[Links, set[int]]:
-    """Batch links to the input's batch; a depthwise convolution's channels link to the input's,
-    the filters' and the bias's channels (the split's ``groups`` is localized); a convolution that
-    mixes channels contracts them (no link). Spatial dims slide a window: never split."""
+    """Batch links to the input's batch; a grouped convolution's channels (depthwise: one channel
+    per group) link to the input's, the filters' and the bias's channels (the split's ``groups``
+    is localized; the forward and backward rules also require the pieces to hold whole groups);
+    a convolution that mixes all its channels contracts them (no link). Spatial dims slide a
+    window: never split."""
     x, w = node.args[0], node.args[1]
     bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
     out = shape_of(node)
     spatial = set(range(2, len(out)))
-    if not is_depthwise(node):
+    if group_size(node) is None:
         return [(x, {0: 0})], spatial | {1}
     links = [(x, {0: 0, 1: 1}), (w, {1: 0})]
     if isinstance(bias, fx.Node):

@@ -47,7 +47,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from sptransform.graph.nodes import is_grouped_mm, output_shape, packet, shape_of
+from sptransform.graph.nodes import describe, is_grouped_mm, output_shape, packet, shape_of
 from sptransform.graph.placement import PARTIAL, REPLICATED, DimShard
 from sptransform.graph.rules.backward import cat_backward, linked_backward, slice_backward, view_backward
 from sptransform.graph.rules.base import (
@@ -55,14 +55,14 @@ from sptransform.graph.rules.base import (
 )
 from sptransform.graph.rules.dtensor import dtensor_backward, dtensor_forward
 from sptransform.graph.rules.forward import (
-    READS_METADATA_ONLY, cross_entropy_forward, embedding_forward, grouped_mm_forward, linked_forward, matmul_forward,
+    READS_METADATA_ONLY, cat_forward, cross_entropy_forward, embedding_forward, grouped_mm_forward, linked_forward, matmul_forward,
     metadata_forward, reduction_forward, sdpa_forward, slice_forward, split_forward, view_forward,
 )
 from sptransform.graph.rules.geometry import SPLIT_PACKETS, VIEWS
 from sptransform.graph.rules.links import (
-    ALONG_DIM, SCATTERS, along_dim_links, scatter_links,
+    ALONG_DIM, SCATTERS, along_dim_links, pad_links, scatter_links,
     POINTWISE as POINTWISE_PACKETS, REDUCING_OVERLOADS, REDUCTIONS, addmm_links, grouped_mm_links, reduction_links,
-    CONVOLUTIONS, TRIANGLES, cat_links, conv_links, einsum_links, embedding_links, triangle_links,
+    CONVOLUTIONS, TRIANGLES, cat_links, conv_aligned, conv_links, einsum_links, embedding_links, triangle_links,
     expand_links, index_add_links, index_links, index_select_links, linear_links, matmul_links, norm_links,
     permute_links, pointwise_links,
     repeat_interleave_links, sdpa_links, select_links, slice_links, squeeze_links, t_links, transpose_links,
@@ -99,6 +99,24 @@ _LINKED_POINTWISE = _COPIES | {aten.where, aten.masked_fill, aten.dropout, aten.
 
 REDUCTION = OpRule(reduction_links, reduction_forward, linked_backward)
 
+
+def _conv_forward(node: fx.Node, links, current: dict, ctx: RuleContext) -> Decision | None:
+    """A grouped convolution keeps a channel split whose pieces hold whole groups; any other
+    split of its channels is gathered (a piece cutting a group would need the group's other
+    channels)."""
+    decision = linked_forward(node, links, current, ctx)
+    out = decision.output if decision is not None else None
+    if isinstance(out, DimShard) and out.dim == 1 and not conv_aligned(node, out.segments, ctx.tp):
+        return Decision({a: REPLICATED for a in current}, replicated_like(node))
+    return decision
+
+
+def _conv_backward(node: fx.Node, links, spec: DimShard, tp: int) -> list | None:
+    if spec.dim == 1 and not conv_aligned(node, spec.segments, tp):
+        raise ShardingError(f"{describe(node)}: a split of its channels into pieces of {spec.local_size(tp)} "
+                            "cuts through its groups")
+    return linked_backward(node, links, spec, tp)
+
 RULES: dict[object, OpRule] = {
     **{p: OpRule(pointwise_links, linked_forward if p in _LINKED_POINTWISE else _if_tagged_pointwise,
                  linked_backward, moves_data_only=p in _COPIES) for p in POINTWISE_PACKETS},
@@ -111,15 +129,14 @@ RULES: dict[object, OpRule] = {
     aten.slice: OpRule(slice_links, slice_forward, slice_backward),
     aten.select: OpRule(select_links, linked_forward, linked_backward),
     aten.repeat_interleave: OpRule(repeat_interleave_links, linked_forward, linked_backward),
-    # forward, a split of the cat dim is gathered: laying split inputs side by side in segments
-    # gave a KV-cache decode with one K/V head wrong logits (its self-check caught it)
-    aten.cat: OpRule(cat_links, linked_forward, cat_backward),
+    aten.cat: OpRule(cat_links, cat_forward, cat_backward),
     aten.index_select: OpRule(index_select_links, linked_forward, linked_backward),
     **{p: OpRule(along_dim_links, linked_forward, linked_backward) for p in ALONG_DIM},
+    **{p: OpRule(pad_links, linked_forward, linked_backward) for p in (aten.constant_pad_nd, aten.pad)},
     **{p: OpRule(scatter_links, linked_forward, linked_backward) for p in SCATTERS},
     aten.index_add: OpRule(index_add_links, linked_forward, linked_backward),
     aten.index: OpRule(index_links, linked_forward, linked_backward),
-    **{p: OpRule(conv_links, linked_forward, linked_backward) for p in CONVOLUTIONS},
+    **{p: OpRule(conv_links, _conv_forward, _conv_backward) for p in CONVOLUTIONS},
     **{p: OpRule(triangle_links, linked_forward, linked_backward) for p in TRIANGLES},
     aten.mm: OpRule(matmul_links, matmul_forward, linked_backward),
     aten.einsum: OpRule(einsum_links, matmul_forward, linked_backward),
