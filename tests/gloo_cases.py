@@ -65,3 +65,15 @@ def has_transformers() -> bool:
     except ImportError:
         return False
     return True
+
+
+def split_on_simulated_ranks(name: str, held: float, linears: tuple[int, int]) -> None:
+    """The fast lane's check of a zoo model: float64 equal at tp=2 + SP on simulated ranks, each
+    rank holding at most ``held`` of the parameter bytes, ``linears`` (split, all) as given."""
+    import sptransform
+
+    model, batch, _ = model_for(name)
+    report = sptransform.verify(model, tp=2, sp=True, example_inputs=batch, processes=False, rtol=1e-9)
+    assert report.status == "equal", report
+    assert report.held_share <= held, report
+    assert report.linears == linears, report

@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import pytest
 
-from gloo_cases import model_for as _model
-from gloo_cases import train_cases
+from gloo_cases import split_on_simulated_ranks, train_cases
 from simulate import spawn_with_deadline
 
 CASES = (  # (model, sp, the share of the parameter bytes a rank may hold at tp=2)
@@ -44,22 +43,10 @@ def test_top_k_masks_and_per_head_convolutions_train_like_the_original_on_gloo()
 def test_top_k_masked_attention_is_one_block_per_layer_on_simulated_ranks():
     """The fast lane's check: every linear of ``topk_mask`` split (11 of 11), float64 equal at
     tp=2 + SP on simulated ranks."""
-    import sptransform
-
-    model, batch, _ = _model("topk_mask")
-    report = sptransform.verify(model, tp=2, sp=True, example_inputs=batch, processes=False, rtol=1e-9)
-    assert report.status == "equal", report
-    assert report.held_share <= 0.51, report
-    assert report.linears == (11, 11), report
+    split_on_simulated_ranks("topk_mask", 0.51, (11, 11))
 
 
 def test_per_head_convolution_of_queries_and_keys_is_split_with_its_filters_on_simulated_ranks():
     """``conv_qk``: every linear split, the grouped convolution's filters and bias stored split
     (two segments: queries' and keys'), float64 equal at tp=2 + SP on simulated ranks."""
-    import sptransform
-
-    model, batch, _ = _model("conv_qk")
-    report = sptransform.verify(model, tp=2, sp=True, example_inputs=batch, processes=False, rtol=1e-9)
-    assert report.status == "equal", report
-    assert report.held_share <= 0.51, report
-    assert report.linears == (13, 13), report
+    split_on_simulated_ranks("conv_qk", 0.51, (13, 13))

@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 
 from gloo_cases import model_for as _model
-from gloo_cases import train_cases
+from gloo_cases import split_on_simulated_ranks, train_cases
 from models import zoo
 from simulate import spawn_with_deadline
 
@@ -43,13 +43,7 @@ def test_selective_scan_block_is_one_region_with_two_rows():
     """The fast lane's check, on simulated ranks: the mixer is one block whose rows are
     ``out_proj`` and ``params_proj`` (which reads the channels through a transpose), the step
     projection (``weight @ x``) a column beside ``in_proj``; float64 equal at tp=2 + SP."""
-    import sptransform
-
-    model, batch, _ = _model("selective_scan")
-    report = sptransform.verify(model, tp=2, sp=True, example_inputs=batch, processes=False, rtol=1e-9)
-    assert report.status == "equal", report
-    assert report.held_share <= 0.52, report
-    assert report.linears == (11, 11), report
+    split_on_simulated_ranks("selective_scan", 0.52, (11, 11))
 
 
 def test_sequence_parallelism_finds_the_sequence_at_a_short_convolution_without_attention():
