@@ -208,7 +208,7 @@ def dim_argument(node: fx.Node, default: int = -1) -> int:
 
 
 def along_dim_links(node: fx.Node) -> tuple[Links, set[int]]:
-    """``topk(x, k, dim)``, ``sort(x, dim)``, ``cumsum(x, dim)``: an output element reads the
+    """``topk(x, k, dim)``, ``sort(x, dim)``, ``cummax(x, dim)``: an output element reads the
     slice of ``x`` along ``dim`` at its own position in the other dims, so those link one to one
     (every output: values and indices alike); ``dim`` itself may not be split."""
     x = node.args[0]

@@ -14,8 +14,10 @@ order) answers with a ``Decision``. In order:
    in fused segments: views, layout and pointwise ops, reductions, splits, matmuls (a
    contraction over split dims is a partial sum), norms, softmax, SDPA, embedding,
    cross-entropy (vocabulary-parallel), indexing by integer tensors (``W[ids]``: the dims the
-   index does not read keep their split), depthwise convolutions (channels split, ``groups``
-   localized), ``tril``/``triu``
+   index does not read keep their split), grouped and depthwise convolutions (channels split in
+   whole groups, ``groups`` localized), ``cat`` (split inputs side by side in segments), ops
+   along one dim (``topk``, ``sort``: the other dims), ``scatter``/``gather`` (the other dims
+   where every operand is as large), ``pad`` (the dims it does not pad), ``tril``/``triu``
    (leading dims), and ``new_empty`` and kin (the input read where it is);
 3. DTensor's strategies for every other ATen op;
 4. none applies: every input is gathered to replicated and the op runs whole on every rank.
@@ -116,6 +118,7 @@ def _conv_backward(node: fx.Node, links, spec: DimShard, tp: int) -> list | None
         raise ShardingError(f"{describe(node)}: a split of its channels into pieces of {spec.local_size(tp)} "
                             "cuts through its groups")
     return linked_backward(node, links, spec, tp)
+
 
 RULES: dict[object, OpRule] = {
     **{p: OpRule(pointwise_links, linked_forward if p in _LINKED_POINTWISE else _if_tagged_pointwise,
