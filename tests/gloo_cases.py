@@ -52,8 +52,13 @@ def train_cases(rank: int, world: int, port: int, cases) -> None:
             if rank == 0:  # the figure the README quotes (pytest -s shows it)
                 print(f"{what}: each rank holds {pm.held_share():.3f} of the parameter bytes at tp={world}")
             assert pm.held_share() <= bound, f"{what}: each rank holds {pm.held_share():.3f}\n{pm.explain()}"
+            # float32: AdamW's step of 1e-3 normalizes a near-zero gradient's float32 noise, so a
+            # parameter may move up to a few percent of one step apart (1.3e-5 seen on OLMo-2);
+            # a wrong gradient moves it by the whole step
+            params_tol = close if close[1] < 1e-9 else (close[0], 5e-5)
             train_like_reference(pm, ref, [batch] * 3, optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
-                                 loss_tol=close, grad_tol=close, params_tol=close, step_after_last=False, what=what)
+                                 loss_tol=close, grad_tol=close, params_tol=params_tol, step_after_last=False,
+                                 what=what)
         dist.barrier()
     finally:
         dist.destroy_process_group()

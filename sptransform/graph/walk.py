@@ -164,8 +164,15 @@ def trace_region(
     inside = set(specs) | row_nodes
     contracting: list[LinearMatch] = []
     outside: ShardingError | None = None
+    attention = any(packet(n) in _ATTENTION for n in specs) or any(packet(n) in _ATTENTION for n, _ in cuts)
     for node in specs:
         for user in node.users:
+            if attention and isinstance(specs[node], DimShard) and _statistic(node, user, specs[node].dim):
+                # sum(x * x) over the split features inside an attention block (a norm over the
+                # whole query projection): a partial sum, reduced where it is read. Elsewhere such
+                # a norm marks the block's edge: the residual stream's norms stop the walk back
+                # from the head (or it would cross every layer, the head a row-parallel linear)
+                continue
             if user not in inside and user not in exits and packet(user) not in READS_METADATA_ONLY:  # new_empty: dtype and device
                 err = ShardingError(f"{describe(node)} is used outside the tensor-parallel region by {describe(user)}")
                 lm = _linear_reading(node, user, linears)
@@ -178,12 +185,36 @@ def trace_region(
                 raise err
     if contracting:
         raise ReadOnItsFeatures(str(outside), contracting)
-    kind = "attention" if any(packet(n) in _ATTENTION for n in specs) or any(
-        packet(n) in _ATTENTION for n, _ in cuts) else "mlp"
+    kind = "attention" if attention else "mlp"
     return Region(
         row=row, columns=columns, specs=specs, cuts=cuts, kind=kind,
         column_linears={n: linears[n] for n in columns}, more_rows=tuple(rows[1:]),
     )
+
+
+_STATISTIC_STEPS = frozenset({aten.pow, aten.mul, aten.square, aten.abs, aten.to, aten._to_copy})
+_STATISTIC_ENDS = frozenset({aten.sum, aten.mean})
+
+
+def _statistic(node: fx.Node, user: fx.Node, dim: int) -> bool:
+    """``user`` starts a statistic of ``node`` over its split ``dim``: elementwise steps on ``node``
+    alone (a cast, ``pow(x, 2)``, ``x * x``) ending in a ``sum``/``mean`` that reduces ``dim`` (the
+    mean square of an RMSNorm over the whole projection, OLMo-2's query and key norms). Its local
+    value is a partial sum (``graph.rules.forward.reduction_forward``), reduced where it is read:
+    the statistic is all that leaves the block, not the split tensor."""
+    for _ in range(4):
+        p = packet(user)
+        if p in _STATISTIC_ENDS:
+            n = len(shape_of(user.args[0]))
+            dims = user.args[1] if len(user.args) > 1 and user.args[1] is not None else list(range(n))
+            dims = dims if isinstance(dims, (list, tuple)) else [dims]
+            return dim in {d % n for d in dims}
+        if p not in _STATISTIC_STEPS or any(a is not node for a in user.all_input_nodes) or len(user.users) != 1:
+            return False
+        if shape_of(user) != shape_of(node):
+            return False
+        node, user = user, next(iter(user.users))
+    return False
 
 
 def _linear_reading(node: fx.Node, user: fx.Node, linears: dict[fx.Node, LinearMatch]) -> LinearMatch | None:

@@ -4,6 +4,8 @@ Each rewrite follows from a placement, not from the op's role in the model:
 
 * a node whose output is split gets local size arguments (``view``, ``reshape``, ``expand``,
   ``split``; ``localize``);
+* a mean over a split dim has its input scaled by 1/tp (each rank's mean of its part, a partial
+  sum of the whole mean);
 * an embedding reading a vocabulary-split weight becomes ``vocab_parallel_embedding`` (a
   partial sum: each rank looks up the ids it holds), a cross-entropy of vocabulary-split
   logits ``vocab_parallel_cross_entropy``; a vocabulary tp does not divide is padded;
@@ -265,6 +267,8 @@ def find_local_rewrite(node: fx.Node, prop: Propagation) -> LocalRewrite | None:
         return "vocab_loss"
     if p is aten.slice and isinstance(first, DimShard) and first.dim == slice_bounds(node)[0]:
         return "fused_slice"
+    if p is aten.mean and isinstance(first, DimShard) and out == PARTIAL:
+        return "partial_mean"
     if isinstance(out, tuple):
         return "split" if is_split(node) and isinstance(first, DimShard) else None
     return "local_sizes" if isinstance(out, DimShard) else None
@@ -288,8 +292,30 @@ def _localize(gm: fx.GraphModule, node: fx.Node, prop: Propagation, plan: Parall
         node.meta["sptransform_spec"] = prop.placement.get(node)
     elif kind == "split":
         localize_split(node, prop.reads[node][node.args[0]], plan.tp)
+    elif kind == "partial_mean":
+        _partial_mean(gm, node, prop, plan.tp)
     elif kind == "local_sizes":
         localize(node, prop.placement[node], plan.tp)
+
+
+def _partial_mean(gm: fx.GraphModule, node: fx.Node, prop: Propagation, tp: int) -> None:
+    """A mean over a split dim: each rank averages its 1/tp of the elements, so the mean is the
+    sum over ranks of the local means divided by tp; the input is scaled (exact for a power-of-2
+    tp) so the op's output is that partial sum, reduced where it is read:
+
+        before:  m = mean(x, [-1], True)             # x split along -1; m: partial
+        after:   xs = div(x, tp); m = mean(xs, [-1], True)
+    """
+    x = node.args[0]
+    spec = prop.reads[node][x]
+    with gm.graph.inserting_before(node):
+        scaled = gm.graph.call_function(aten.div.Tensor, (x, tp))
+    scaled.meta["val"] = x.meta.get("val")
+    scaled.meta["sptransform_spec"] = spec
+    prop.placement[scaled] = spec
+    prop.reads[scaled] = {x: spec}
+    node.args = (scaled, *node.args[1:])
+    prop.reads[node] = {scaled: spec}
 
 
 def _vocab_embedding(node: fx.Node, plan: ParallelPlan) -> None:

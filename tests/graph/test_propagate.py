@@ -238,7 +238,7 @@ def test_partial_sums_ride_a_single_reader_view_and_are_reduced_once_at_the_sour
     assert {name for _, name in reduced} == {down.name}
 
 
-def test_summing_over_the_split_dim_is_a_partial_sum_and_a_mean_runs_whole():
+def test_summing_or_averaging_over_the_split_dim_is_a_partial_sum_and_a_max_runs_whole():
     class Sums(nn.Module):
         def __init__(self):
             super().__init__()
@@ -246,11 +246,12 @@ def test_summing_over_the_split_dim_is_a_partial_sum_and_a_mean_runs_whole():
 
         def forward(self, x):
             h = self.up(x)
-            return h.sum(-1), h.mean(-1)
+            return h.sum(-1), h.mean(-1), h.amax(-1)
 
     gm, prop, _, _ = _run(Sums(), (torch.randn(2, 4, 8),), {"up.weight": whole(0, 16)})
     assert prop.placement[_node(gm, aten.sum)] == PARTIAL
-    assert prop.placement[_node(gm, aten.mean)] == REPLICATED
+    assert prop.placement[_node(gm, aten.mean)] == PARTIAL  # each rank's mean over tp (the rewrite scales it)
+    assert prop.placement[_node(gm, aten.amax)] == REPLICATED
     assert ("all_gather", next(n.name for n in gm.graph.nodes if n.target is aten.linear.default)) in _moves(prop)
 
 

@@ -263,13 +263,13 @@ def test_a_partial_sum_passes_through_a_view_but_is_reduced_before_a_pointwise_o
 # reductions
 
 
-def test_a_sum_over_the_split_dim_is_partial_and_a_mean_over_it_runs_whole():
+def test_a_sum_over_the_split_dim_is_partial_and_a_max_over_it_runs_whole():
     x_val = torch.randn(4, 8)
-    gm = _graph(lambda x: (aten.sum.dim_IntList(x, [1]), aten.mean.dim(x, [1])), x_val)
-    (x,), total, mean = _inputs(gm), _op(gm, aten.sum), _op(gm, aten.mean)
+    gm = _graph(lambda x: (aten.sum.dim_IntList(x, [1]), aten.amax.default(x, [1])), x_val)
+    (x,), total, top = _inputs(gm), _op(gm, aten.sum), _op(gm, aten.amax)
     assert _forward(total, {x: whole(1, 8)}).output == PARTIAL
     assert _forward(total, {x: whole(0, 4)}).output == whole(0, 4)
-    assert _forward(mean, {x: whole(1, 8)}).output == REPLICATED
+    assert _forward(top, {x: whole(1, 8)}).output == REPLICATED
     assert _backward(total, whole(0, 4)) == {x: whole(0, 4)}
 
 
@@ -294,6 +294,27 @@ def test_a_slice_of_a_fused_dim_keeps_the_segments_it_takes_whole():
     assert _forward(piece, {x: fused}).output == whole(1, 8)
     assert _forward(piece, {x: whole(1, 24)}).output == REPLICATED  # the slice cuts through rank 0's part
     assert slices_input_spec(24, 1, [(8, whole(1, 8))], 2) == fused
+
+
+def test_a_mean_over_the_split_dim_is_a_partial_sum_of_local_means_over_tp():
+    """Each rank averages its 1/tp of the elements: the whole mean is the sum over ranks of the
+    local means divided by tp (the rewrite scales the input); a mean over a padded split (a
+    vocabulary padded to a multiple of tp) would count the padding, so it reads its input whole."""
+    from sptransform.graph.propagate import Propagation
+    from sptransform.passes.tensor_parallel import _partial_mean
+
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    gm = _graph(lambda x: aten.mean.dim(x, [-1], True), x)
+    (xn,), mean = _inputs(gm), _op(gm, aten.mean)
+    decision = _forward(mean, {xn: whole(2, 8)})
+    assert decision.output == PARTIAL and decision.needs == {xn: whole(2, 8)}
+    assert _forward(mean, {xn: whole(0, 2)}).output == whole(0, 2)  # another dim: kept
+    assert _forward(mean, {xn: DimShard(2, ((0, 10),))}).output == REPLICATED  # padded 8 -> 10
+    prop = Propagation(tp=2, placement={xn: whole(2, 8), mean: PARTIAL}, reads={mean: {xn: whole(2, 8)}})
+    _partial_mean(gm, mean, prop, 2)
+    gm.recompile()
+    partial = sum(gm(x[..., 4 * r: 4 * r + 4]) for r in range(2))  # each rank's local value, summed
+    torch.testing.assert_close(partial, x.mean(-1, keepdim=True), rtol=0, atol=1e-15)
 
 
 # ---------------------------------------------------------------------------

@@ -1684,6 +1684,30 @@ class ConvQKLM(TopKMaskLM):
         self.attn = nn.ModuleList(ConvQKAttention(d) for _ in range(n_layer))
 
 
+# 33. OLMo-2 again, every norm written out as transformers writes it (a cast up, pow, mean,
+#     rsqrt): the query and key norms over the whole projections, norms after each block
+
+
+class WrittenRMSNorm(nn.Module):
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(d)), eps
+
+    def forward(self, x):
+        h = x.to(torch.promote_types(x.dtype, torch.float32))  # float32 at least (float64 kept)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class WrittenQKNormLM(WholeQKNormLM):
+    def __init__(self, vocab=128, d=HIDDEN, n_head=HEADS, n_layer=LAYERS):
+        super().__init__(vocab, d, n_head, n_layer)
+        for layer in self.layers:
+            for name in ("q_norm", "k_norm", "post_attention_layernorm", "post_feedforward_layernorm"):
+                layer[name] = WrittenRMSNorm(d)
+        self.norm = WrittenRMSNorm(d)
+
+
 @dataclass(frozen=True)
 class Entry:
     build: Callable[[], nn.Module]
@@ -1779,6 +1803,8 @@ ZOO: dict[str, Entry] = {
                        "heads' values, topk keys per query scattered into a 0/1 mask, scores added to the logits"),
     "conv_qk": Entry(ConvQKLM, "queries and keys concatenated, left-padded and convolved over time per head "
                      "(nn.Conv1d with one group per head), sliced apart after"),
+    "qk_norm_written": Entry(WrittenQKNormLM, "qk_norm_whole with every RMSNorm written out (a cast up, pow, "
+                             "mean, rsqrt) as transformers' OLMo-2 has it"),
     "inplace_result": Entry(InPlaceResultLM, "in-place mul_, triu_, masked_fill_ read through their own results"),
 }
 

@@ -219,16 +219,17 @@ def _assert_stages_reproduce(model: nn.Module, stages, args: tuple):
 
 @pytest.mark.parametrize("name", ["alternating", "qk_norm", "multi_query"])
 def test_layers_are_residual_blocks_whether_or_not_the_analysis_recognises_the_attention(name):
-    """The alternating and QK-norm models' attentions are no block of the analysis; the multi-query
-    one is (its fused projection computed whole, its heads split, since 2026-11-28). Either way
-    the layers are the residual blocks."""
+    """The alternating model's attention is no block of the analysis; the multi-query one is (its
+    fused projection computed whole, its heads split, since 2026-11-28), and the QK-norm one is
+    (its norm's mean square over the split projection a partial sum, since the same day). Either
+    way the layers are the residual blocks."""
     from models.pipeline_blocks import BLOCK_MODELS, BlocksConfig
 
     torch.manual_seed(0)
     model = BLOCK_MODELS[name](BlocksConfig(layers=3)).double()
     args = _ids(96)
     flow, analysis = _flow(model, args)
-    assert analysis.num_layers == (3 if name == "multi_query" else 1)  # 1: what refused pp=2 before
+    assert analysis.num_layers == (1 if name == "alternating" else 3)  # 1: what refused pp=2 before
     boundaries = find_layer_boundaries(flow, analysis)
     assert [b.layer for b in boundaries] == [1, 2]
     for b in boundaries:

@@ -104,8 +104,9 @@ def _in_spec(out_spec: DimShard, arg: fx.Node, in_dim: int, node: fx.Node, p) ->
 
 
 def reduction_forward(node: fx.Node, links: LinksRule | None, current: dict, ctx: RuleContext) -> Decision | None:
-    """A reduction over other dims keeps the split; ``sum`` over the split dim is a partial sum;
-    any other reduction over it (mean, max, var) reads its input whole."""
+    """A reduction over other dims keeps the split; ``sum`` and ``mean`` over the split dim are
+    partial sums (``mean``: of this rank's mean scaled by 1/tp); any other reduction over it (max,
+    var) reads its input whole."""
     x = node.args[0]
     spec = current[x]
     mapping = links(node)[0][0][1]
@@ -114,7 +115,12 @@ def reduction_forward(node: fx.Node, links: LinksRule | None, current: dict, ctx
         return Decision({x: spec}, same_for_each_output(node, DimShard(inverse[spec.dim], spec.segments)))
     if packet(node) is aten.sum:
         return Decision({x: spec}, PARTIAL)  # summing over the split dim: a sum still owed
-    return Decision({x: REPLICATED}, replicated_like(node))  # mean/max/var over a split dim: run whole
+    padded = sum(n for _, n in spec.segments) != shape_of(x)[spec.dim]  # a vocabulary padded to tp's multiple
+    if packet(node) is aten.mean and node.meta["val"].dtype.is_floating_point and not padded:
+        # the mean of this rank's elements over tp: a sum still owed (the rewrite scales it,
+        # ``passes.tensor_parallel``): every rank holds 1/tp of the reduced elements
+        return Decision({x: spec}, PARTIAL)
+    return Decision({x: REPLICATED}, replicated_like(node))  # max/var over a split dim: run whole
 
 
 # ---------------------------------------------------------------------------
