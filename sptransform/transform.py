@@ -65,6 +65,7 @@ from sptransform.options import GRAPH_COMPILERS, GraphCompiler, ParallelOptions,
 from sptransform.passes.base import Pass, PassResult, run_logged, run_passes
 from sptransform.passes.canonicalize import (
     functional_copies, narrow_as_slice, remove_dead_code, repeat_grouped_kv, sizes_as_arguments, split_bias,
+    written_norms,
 )
 from sptransform.passes.data_parallel import DataParallelPlan, data_parallel, zero_dim
 from sptransform.passes.dropout import shard_dropout
@@ -440,6 +441,7 @@ PASSES: list[Pass] = [
     Pass("functional_copies", lambda gm, b: _changed(gm, functional_copies(gm))),
     Pass("narrow_as_slice", lambda gm, b: _changed(gm, narrow_as_slice(gm)), enabled=_tensor_parallel),
     Pass("sizes_as_arguments", lambda gm, b: _changed(gm, sizes_as_arguments(gm)), enabled=_tensor_parallel),
+    Pass("written_norms", lambda gm, b: _changed(gm, written_norms(gm)), enabled=_tensor_parallel),
     Pass("repeat_grouped_kv", lambda gm, b: _changed(gm, repeat_grouped_kv(gm, tp=b.options.tp)),
          enabled=_tensor_parallel),
     Pass("analyse", _analyse, adds=("analysis", "placements"), enabled=_tensor_parallel),

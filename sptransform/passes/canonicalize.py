@@ -42,6 +42,12 @@ as an argument, which the rewrite localizes like any other (shapes are static).
     before:  m = expand_as(mask, scores)                 # scores: [2, 8, 16, 16]
     after:   m = expand(mask, [2, 8, 16, 16])
 
+``written_norms``: a fused ``rms_norm`` of a projection's output is written out as the ops its
+composite runs (bitwise alike), so that its mean square over split features can be a partial sum.
+
+    before:  y = rms_norm(linear(x, Wq), [d], w, eps)
+    after:   f = linear(x, Wq); y = mul(mul(f, rsqrt(add(mean(pow(f, 2), [-1], True), eps))), w)
+
 All edit ``gm`` in place and keep ``node.meta["val"]`` on what they create.
 """
 
@@ -163,6 +169,64 @@ def narrow_as_slice(gm: fx.GraphModule) -> int:
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(aten.slice.Tensor, (x, dim, start, start + length))
         _take_over(gm, node, new)
+        changed += 1
+    if changed:
+        gm.recompile()
+    return changed
+
+
+def _projected(x: fx.Node) -> bool:
+    """``x`` is a linear's output, directly or through views and casts."""
+    from sptransform.graph.nodes import MOVES_ONLY
+
+    while packet(x) in MOVES_ONLY and x.args and isinstance(x.args[0], fx.Node):
+        x = x.args[0]
+    return packet(x) in (aten.linear, aten.matmul, aten.mm, aten.addmm, aten.bmm, aten.einsum)
+
+
+def written_norms(gm: fx.GraphModule) -> int:
+    """Write out each fused ``rms_norm`` of a projection's output (a query/key norm over the whole
+    projection, a norm after a block) as the ops torch's composite runs, bitwise alike, so that
+    its mean square over split features can be a partial sum (``graph.walk._statistic``); a fused
+    norm over a split dim would make its input gathered. Norms of anything else (the residual
+    stream's) stay fused. Returns how many changed.
+
+        before:  y = rms_norm(q, [d], w, eps)                                   # q = linear(...)
+        after:   f = _to_copy(q, float32); r = rsqrt(add(mean(pow(f, 2), [-1], True), eps))
+                 y = _to_copy(mul(mul(f, r), w), q.dtype)                       # (casts if q is not)
+    """
+    changed = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.rms_norm.default or not _projected(node.args[0]):
+            continue
+        x, shape = node.args[0], node.args[1]
+        weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+        eps = node.args[3] if len(node.args) > 3 else node.kwargs.get("eps")
+        value = x.meta["val"]
+        wide = torch.promote_types(value.dtype, torch.float32)  # the composite's accumulation dtype
+        eps = torch.finfo(wide).eps if eps is None else eps
+        dims = list(range(value.dim() - len(shape), value.dim()))
+        graph = gm.graph
+
+        def op(target, *args, like, **kwargs):
+            new = graph.call_function(target, args, kwargs)
+            new.meta["val"] = like
+            new.meta["stack_trace"] = node.meta.get("stack_trace")
+            return new
+
+        with graph.inserting_before(node):
+            wide_value = value.to(wide)
+            f = op(aten._to_copy.default, x, like=wide_value, dtype=wide) if wide != value.dtype else x
+            square = op(aten.pow.Tensor_Scalar, f, 2, like=wide_value)
+            stat = wide_value.mean(dims, keepdim=True)
+            mean = op(aten.mean.dim, square, dims, True, like=stat)
+            r = op(aten.rsqrt.default, op(aten.add.Tensor, mean, eps, like=stat), like=stat)
+            y = op(aten.mul.Tensor, f, r, like=wide_value)
+            if isinstance(weight, fx.Node):
+                y = op(aten.mul.Tensor, y, weight, like=wide_value * weight.meta["val"])
+            if y.meta["val"].dtype != value.dtype:
+                y = op(aten._to_copy.default, y, like=node.meta["val"], dtype=value.dtype)
+        _take_over(gm, node, y)
         changed += 1
     if changed:
         gm.recompile()

@@ -8,7 +8,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from sptransform.graph.placement import DimShard
-from sptransform.passes.canonicalize import narrow_as_slice, remove_dead_code, repeat_grouped_kv, sizes_as_arguments, split_bias
+from sptransform.passes.canonicalize import (
+    narrow_as_slice, remove_dead_code, repeat_grouped_kv, sizes_as_arguments, split_bias, written_norms,
+)
 from sptransform.passes.localize import localize
 
 aten = torch.ops.aten
@@ -77,6 +79,31 @@ def test_narrow_as_slice_keeps_the_rows_including_negative_starts():
     assert narrow_as_slice(gm) == 3
     assert aten.narrow.default not in _targets(gm) and _targets(gm).count(aten.slice.Tensor) == 3
     torch.testing.assert_close(gm(x), Narrows()(x))
+
+
+class ProjectionNorms(nn.Module):
+    """A fused RMSNorm of a projection (weighted and not) and one of the input (the residual's)."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.q, self.q_norm, self.k_norm, self.x_norm = nn.Linear(d, d), nn.RMSNorm(d, eps=1e-5), nn.RMSNorm(d), nn.RMSNorm(d)
+
+    def forward(self, x):
+        q = self.q(x)
+        return self.q_norm(q) + F.rms_norm(q.view(*q.shape[:-1], 4, 4), [4]).flatten(-2) + self.x_norm(x)
+
+
+def test_written_norms_write_out_a_projections_fused_rms_norm_bitwise_alike():
+    """The written form is the one torch's composite runs: equal bit for bit in float32, bfloat16 and
+    float64 (with and without a weight, eps given or torch's default); the norm of the input (not a
+    projection's output) stays fused."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        torch.manual_seed(0)
+        model, x = ProjectionNorms().to(dtype), torch.randn(2, 5, 16, dtype=dtype)
+        gm = _export(model, x)
+        assert written_norms(gm) == 2
+        assert _targets(gm).count(aten.rms_norm.default) == 1 and aten.mean.dim in _targets(gm)
+        assert torch.equal(gm(x), model(x)), dtype
 
 
 class SizedByAnother(nn.Module):
