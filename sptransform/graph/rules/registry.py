@@ -102,6 +102,16 @@ _LINKED_POINTWISE = _COPIES | {aten.where, aten.masked_fill, aten.dropout, aten.
 REDUCTION = OpRule(reduction_links, reduction_forward, linked_backward)
 
 
+def _along_dim_forward(node: fx.Node, links, current: dict, ctx: RuleContext) -> Decision | None:
+    """``topk``/``sort`` keep a split of another dim in one segment (heads); a split in several
+    segments (tokens: the batch merged with the sequence) is gathered, as DTensor's rule did: the
+    router's top-k then stays whole, which expert parallelism's dispatch reads (carried split, the
+    dispatch of tp x ep sent 2x the hidden states)."""
+    if any(isinstance(p, DimShard) and len(p.segments) > 1 for p in current.values()):
+        return Decision({a: REPLICATED for a in current}, replicated_like(node))
+    return linked_forward(node, links, current, ctx)
+
+
 def _conv_forward(node: fx.Node, links, current: dict, ctx: RuleContext) -> Decision | None:
     """A grouped convolution keeps a channel split whose pieces hold whole groups; any other
     split of its channels is gathered (a piece cutting a group would need the group's other
@@ -134,7 +144,7 @@ RULES: dict[object, OpRule] = {
     aten.repeat_interleave: OpRule(repeat_interleave_links, linked_forward, linked_backward),
     aten.cat: OpRule(cat_links, cat_forward, cat_backward),
     aten.index_select: OpRule(index_select_links, linked_forward, linked_backward),
-    **{p: OpRule(along_dim_links, linked_forward, linked_backward) for p in ALONG_DIM},
+    **{p: OpRule(along_dim_links, _along_dim_forward, linked_backward) for p in ALONG_DIM},
     **{p: OpRule(pad_links, linked_forward, linked_backward) for p in (aten.constant_pad_nd, aten.pad)},
     **{p: OpRule(scatter_links, linked_forward, linked_backward) for p in SCATTERS},
     aten.index_add: OpRule(index_add_links, linked_forward, linked_backward),
