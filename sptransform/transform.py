@@ -59,7 +59,9 @@ from sptransform.graph.gradients import GradientPlan, gradient_plan
 from sptransform.graph.nodes import data_dependent, describe, shape_of
 from sptransform.graph.placement import DimShard
 from sptransform.graph.plan import ParallelGraph, ParallelPlan, ParamPlacement
-from sptransform.graph.propagate import Propagation, SequenceSplit, propagate
+from sptransform.graph.propagate import Propagation, SequenceSplit, move_kind, propagate
+from sptransform.graph.strided_storage import strided_placements, whole_runs
+from sptransform.graph.rules import ShardingError
 from sptransform.graph.read_split import gathering, split_parameters
 from sptransform.options import GRAPH_COMPILERS, GraphCompiler, ParallelOptions, PipelineOptions, RematOptions
 from sptransform.passes.base import Pass, PassResult, run_logged, run_passes
@@ -74,6 +76,7 @@ from sptransform.graph.experts import data_nodes, find_expert_regions, is_bmm_se
 from sptransform.passes.token_weighting import weight_by_token_counts
 from sptransform.passes.overlap import schedule_collectives
 from sptransform.passes.remat import remat_partition
+from sptransform.passes.unfuse import projection_pieces, unfuse
 from sptransform.passes.shard_whole import shard_whole, stored_split, whole_parameters
 from sptransform.passes.tensor_parallel import add_rank_input, apply_placements
 from sptransform.pipeline.plan import PipelinePlan
@@ -173,6 +176,8 @@ def _analyse(gm: fx.GraphModule, build: Build) -> PassResult:
     """Linears, regions, head and loss (``graph.analysis``); the parameters' placements."""
     tp, sp = build.options.tp, build.options.sp
     analysis = analyze(build.captured, tp, _kept_outputs(build))
+    if _unfuse_whole_projections(build, analysis):  # pieces of a projection left whole: linears of their own
+        analysis = analyze(build.captured, tp, _kept_outputs(build))
     if sp and analysis.seq_len is None:
         raise ValueError("sp=True needs an attention or a short convolution over the sequence to find the sequence "
                          "dim; none was found: pass sp=False")
@@ -183,6 +188,31 @@ def _analyse(gm: fx.GraphModule, build: Build) -> PassResult:
         )
     build.analysis, build.placements = analysis, parameter_placements(analysis, tp)
     return PassResult(gm, False)
+
+
+def _unfuse_whole_projections(build: Build, analysis: ModelAnalysis) -> int:
+    """``passes.unfuse`` for every projection the analysis left whole (no region, not the head)
+    whose output is taken apart: its pieces become linears the next analysis can place one by one
+    (the query heads of a multi-query projection column-parallel, its one K/V head whole)."""
+    captured = build.captured
+    placed = {lm.node for r in analysis.regions for lm in r.rows} | {c for r in analysis.regions for c in r.columns}
+    if analysis.head is not None:
+        placed.add(analysis.head.node)
+    constants = {node: captured.constants[name] for node, name in zip(captured.state_placeholders, captured.state_names)
+                 if name in captured.constants}
+    found = []
+    for node, lm in analysis.linears.items():
+        if node in placed or lm.weight_piece is not None or lm.per_group or lm.bias_piece is not None:
+            continue
+        pieces = projection_pieces(node, lm.weight, lm.out_dim, constants)
+        if pieces is not None:
+            found.append(pieces)
+    for pieces in found:
+        unfuse(captured.gm, pieces)
+    if found:
+        captured.gm.graph.lint()
+        captured.gm.recompile()
+    return len(found)
 
 
 def _kept_outputs(build: Build) -> set[fx.Node]:
@@ -233,13 +263,11 @@ def _split_linears(analysis: ModelAnalysis, placements: Mapping[str, ParamPlacem
 
 def _propagate(gm: fx.GraphModule, build: Build) -> PassResult:
     """Every node's placement, from the parameters' (``graph.propagate``)."""
-    seeds, cut_seeds = {}, {}
-    for node, name in build.params.items():
-        placement = build.placements.get(name)
-        if placement is not None and placement.spec is not None:
-            (cut_seeds if placement.stored_whole else seeds)[node] = placement.spec
+    if build.analysis.read_whole_rows:
+        whole_runs(gm, build.params, build.analysis)
     build.constant = constant_nodes(gm, set(build.captured.state_placeholders))
     kept = _kept_outputs(build)
+    seeds, cut_seeds = _seeds(build.params, build.placements)
 
     def run(seeds: dict) -> Propagation:
         sequence = SequenceSplit(build.analysis.seq_len) if build.options.sp else None
@@ -247,6 +275,22 @@ def _propagate(gm: fx.GraphModule, build: Build) -> PassResult:
                          cut_seeds=cut_seeds, keep_outputs=kept)
 
     build.propagation = run(seeds)
+    strided = strided_placements(build.analysis, build.placements, build.options.tp)
+    if strided is not None:  # fused weights with rows read whole stored split, if nothing else moves more
+        strided_seeds, strided_cuts = _seeds(build.params, strided)
+        sequence = SequenceSplit(build.analysis.seq_len) if build.options.sp else None
+        try:
+            trial = propagate(gm, strided_seeds, tp=build.options.tp, constant=build.constant, sequence=sequence,
+                              cut_seeds=strided_cuts, keep_outputs=kept)
+        except ShardingError:
+            trial = None
+        runs = {u for node, name in build.params.items() if name in build.analysis.read_whole_rows for u in node.users}
+        if trial is not None and _moves_no_more(trial, build.propagation, runs):
+            build.placements.clear()
+            build.placements.update(strided)
+            build.plan.placements = build.placements
+            seeds, cut_seeds = strided_seeds, strided_cuts
+            build.propagation = trial
     split_inputs = _split_input_seeds(build)
     if split_inputs:  # stored as read: what the first propagation cut locally is now given split
         build.propagation = run({**seeds, **split_inputs})
@@ -255,6 +299,32 @@ def _propagate(gm: fx.GraphModule, build: Build) -> PassResult:
     if build.options.ep == 1:  # (expert parallelism places the experts' parameters itself)
         _store_read_splits(build, lambda more: run({**seeds, **split_inputs, **more}))
     return PassResult(gm, False)
+
+
+def _seeds(params: dict[fx.Node, str], placements: Mapping[str, ParamPlacement]) -> tuple[dict, dict]:
+    """(seeds, cut seeds) of the propagation: each split parameter's placeholder -> its split, in
+    the second map when it is stored whole and cut in the graph."""
+    seeds, cut_seeds = {}, {}
+    for node, name in params.items():
+        placement = placements.get(name)
+        if placement is not None and placement.spec is not None:
+            (cut_seeds if placement.stored_whole else seeds)[node] = placement.spec
+    return seeds, cut_seeds
+
+
+def _moves_no_more(trial: Propagation, base: Propagation, exempt: set[fx.Node]) -> bool:
+    """Whether ``trial`` moves no more tensors of any kind than ``base``, edges from ``exempt``
+    (the slices of rows read whole, which ``trial`` gathers) aside."""
+    def counts(prop: Propagation) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for node, _, have, want in prop.changes():
+            kind = move_kind(have, want)
+            if node not in exempt and kind != "cut":
+                out[kind] = out.get(kind, 0) + 1
+        return out
+
+    theirs = counts(base)
+    return all(n <= theirs.get(kind, 0) for kind, n in counts(trial).items())
 
 
 def _store_read_splits(build: Build, run: Callable[[dict], Propagation]) -> None:

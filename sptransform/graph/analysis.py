@@ -417,7 +417,7 @@ def analyze(captured: CapturedGraph, tp: int, exits: Container[fx.Node] = ()) ->
         f"it is neither column- nor row-parallel (as a row-parallel linear, {failures.get(lms[0].node, 'n/a')})"
         for name, lms in whole_ones.items()
     ]
-    fused, kept_whole = _fused_parameters(linears, regions, notes)
+    fused, kept_whole, read_whole_rows = _fused_parameters(linears, regions, notes, head)
     for region in regions:
         whole_ones = [n for n, spec in region.cuts if n in linears]
         if whole_ones:
@@ -449,6 +449,7 @@ def analyze(captured: CapturedGraph, tp: int, exits: Container[fx.Node] = ()) ->
         notes=notes,
         fused=fused,
         kept_whole=kept_whole,
+        read_whole_rows=read_whole_rows,
     )
 
 
@@ -458,14 +459,17 @@ def _tied_alias(node: fx.Node, captured: CapturedGraph) -> bool:
 
 
 def _fused_parameters(linears: dict[fx.Node, LinearMatch], regions: list[Region],
-                      notes: list[str]) -> tuple[dict[str, DimShard], set[str]]:
+                      notes: list[str], head: LinearMatch | None = None
+                      ) -> tuple[dict[str, DimShard], set[str], dict[str, tuple[tuple[int, int], ...]]]:
     """The split of each parameter that linears read in pieces: every piece's column split, moved
     to where the piece starts. Such a parameter stays whole unless its pieces tile it, each read
-    by column-parallel linears that split it alike, and no linear reads it whole; then the
+    by column-parallel linears that split it alike, or by linears that run replicated (a
+    multi-query projection's one K/V head: those rows are not in the split's segments, and are
+    read whole), at least one piece split, and no linear reads it whole; then the
     linears reading it as their weight leave their regions (they run replicated, their
     outputs cut where the row-parallel linear reads them) and a note says why. Leaving a region
     can unsettle another parameter (the bias pieces of those linears): repeated until none does.
-    Returns (the settled splits, the parameters kept whole)."""
+    Returns (the settled splits, the parameters kept whole, the rows of settled ones read whole)."""
     uses: dict[str, list[tuple[LinearMatch, tuple[int, int] | None, int, fx.Node]]] = defaultdict(list)
     for lm in linears.values():
         uses[lm.weight_name].append((lm, lm.weight_piece, lm.out_dim, lm.weight))
@@ -473,14 +477,17 @@ def _fused_parameters(linears: dict[fx.Node, LinearMatch], regions: list[Region]
             uses[lm.bias_name].append((lm, lm.bias_piece, 0, lm.bias))
     pieced = {name: found for name, found in uses.items() if any(piece is not None for _, piece, _, _ in found)}
     settled: dict[str, DimShard] = {}
+    whole_rows: dict[str, tuple[tuple[int, int], ...]] = {}
     changed = True
     while changed:
-        changed, settled = False, {}
+        changed, settled, whole_rows = False, {}, {}
         columns = {c: spec for r in regions for c, spec in r.columns.items()}
+        placed = set(columns) | {lm.node for r in regions for lm in r.rows} | ({head.node} if head else set())
         for name, found in pieced.items():
-            spec, problem = _tile(found, columns)
+            spec, problem = _tile(found, columns, placed)
             if spec is not None:
                 settled[name] = spec
+                whole_rows[name] = _rows_outside(spec, shape_of(found[0][3])[spec.dim])
                 continue
             for lm, _, _, node in found:
                 for region in regions:
@@ -491,30 +498,50 @@ def _fused_parameters(linears: dict[fx.Node, LinearMatch], regions: list[Region]
             note = f"parameter {name!r}, read in pieces, stays whole on every rank: {problem}"
             if note not in notes:
                 notes.append(note)
-    return settled, set(pieced) - set(settled)
+    return settled, set(pieced) - set(settled), {name: rows for name, rows in whole_rows.items() if rows}
 
 
-def _tile(found, columns: dict[fx.Node, DimShard]) -> tuple[DimShard | None, str | None]:
-    """(the parameter's split from its pieces' column splits, None) or (None, why there is none)."""
+def _rows_outside(spec: DimShard, size: int) -> tuple[tuple[int, int], ...]:
+    """The runs of ``[0, size)`` in no segment of ``spec`` (rows read whole), as ``(start, length)``."""
+    runs, at = [], 0
+    for a, n in sorted(spec.segments):
+        if a > at:
+            runs.append((at, a - at))
+        at = a + n
+    if at < size:
+        runs.append((at, size - at))
+    return tuple(runs)
+
+
+def _tile(found, columns: dict[fx.Node, DimShard], placed: Container[fx.Node] = ()) -> tuple[DimShard | None, str | None]:
+    """(the parameter's split from its pieces' column splits, None) or (None, why there is none).
+    A piece read by a linear that runs replicated (in no region: not in ``placed``) is read
+    whole: its rows are in no segment of the split."""
     dims = {dim for _, _, dim, _ in found}
     if len(dims) != 1:
         return None, "its pieces are taken along different dims"
     (dim,) = dims
     size = shape_of(found[0][3])[dim]
-    by_piece: dict[tuple[int, int], DimShard] = {}
+    by_piece: dict[tuple[int, int], DimShard | None] = {}
     for lm, piece, _, _ in found:
         if piece is None:
             return None, f"{describe(lm.node)} reads all of it"
-        if lm.node not in columns:
+        if lm.node not in columns and lm.node in placed:
             return None, f"rows [{piece[0]}, {piece[0] + piece[1]}) are read by {describe(lm.node)}, which is not column-parallel"
-        spec = columns[lm.node]
-        if by_piece.setdefault(piece, spec).segments != spec.segments:
+        spec = columns.get(lm.node)  # None: read whole by a linear that runs replicated
+        if piece in by_piece and (by_piece[piece] is None) != (spec is None):
+            return None, f"rows [{piece[0]}, {piece[0] + piece[1]}) are read whole by one linear and split by another"
+        if by_piece.setdefault(piece, spec) is not None and by_piece[piece].segments != spec.segments:
             return None, f"rows [{piece[0]}, {piece[0] + piece[1]}) are read by linears that split them differently"
+    if all(spec is None for spec in by_piece.values()):
+        first = next(lm for lm, _, _, _ in found)
+        return None, f"rows [{found[0][1][0]}, {found[0][1][0] + found[0][1][1]}) are read by {describe(first.node)}, which is not column-parallel"
     segments, at = [], 0
     for (start, length), spec in sorted(by_piece.items()):
         if start != at:
             return None, f"rows [{min(at, start)}, {max(at, start)}) are read by no linear, or by two overlapping pieces"
-        segments.extend((start + a, n) for a, n in spec.segments)
+        if spec is not None:
+            segments.extend((start + a, n) for a, n in spec.segments)
         at = start + length
     if at != size:
         return None, f"rows [{at}, {size}) are read by no linear"
@@ -641,7 +668,9 @@ def parameter_placements(analysis: ModelAnalysis, tp: int) -> dict[str, ParamPla
             place(row.weight_name, ParamPlacement(whole(row.weight_in_dim, row.in_features),
                                                   "row-parallel experts' weight" if row.per_group else "row-parallel weight"))
     for name, spec in analysis.fused.items():
-        place(name, ParamPlacement(spec, "column-parallel, in pieces", stored_whole=not _has_dtensor_placement(spec)))
+        whole_rows = analysis.read_whole_rows.get(name, ())
+        place(name, ParamPlacement(spec, "column-parallel, in pieces",
+                                   stored_whole=bool(whole_rows) or not _has_dtensor_placement(spec)))
     head = analysis.head
     if head is not None:
         per_rank = -(-head.out_features // tp)

@@ -110,6 +110,9 @@ class ModelAnalysis:
     """Parameters the linears read in pieces -> their split (each piece's column split, side by side)."""
     kept_whole: set[str] = field(default_factory=set)
     """Parameters read in pieces that no split fits: replicated (``notes`` says why)."""
+    read_whole_rows: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    """Parameters of ``fused`` some of whose pieces linears read whole (a multi-query projection's
+    K/V head) -> those rows, as ``(start, length)`` runs along the split's dim."""
     param_bytes: dict[str, int] = field(default_factory=dict)
     """Every parameter's bytes, whole (as captured)."""
     whole_reasons: dict[str, str] = field(default_factory=dict)

@@ -127,12 +127,14 @@ class TwoMLPs(nn.Module):
         return (x + self.down_b(F.gelu(F.linear(x, w_b)))).sum()
 
 
-def test_a_parameter_whose_pieces_no_split_fits_stays_whole_with_a_note():
+def test_a_parameter_read_split_and_whole_splits_its_column_piece_and_keeps_the_rest_whole():
+    # rows [0, 16) feed an MLP (column-parallel), rows [16, 48) a linear that runs replicated: the
+    # first piece is split in the graph, the second read whole (not in the split's segments)
     analysis = analyze(_captured(HalfColumn(), (torch.randn(2, 4, 16),)), 2)
-    assert analysis.fused == {} and analysis.kept_whole == {"w"}
-    assert all(lm.weight_name != "w" for r in analysis.regions for lm in r.column_linears.values())
-    assert any("'w'" in note and "not column-parallel" in note for note in analysis.notes)
-    assert "w" not in parameter_placements(analysis, 2)
+    assert analysis.fused == {"w": DimShard(0, ((0, 16),))} and analysis.kept_whole == set()
+    assert analysis.read_whole_rows == {"w": ((16, 32),)}
+    assert any(lm.weight_name == "w" for r in analysis.regions for lm in r.column_linears.values())
+    assert parameter_placements(analysis, 2)["w"].stored_whole
 
 
 @pytest.mark.parametrize("model, split", [(HalfColumn, False), (TwoMLPs, True)])
@@ -142,8 +144,10 @@ def test_models_reading_pieces_of_a_weight_equal_one_device(model, split):
                                 processes=False)
     assert report.ok, str(report)
     rows = {r.name: r.placement for r in report.rows if r.kind == "grad"}
-    # TwoMLPs: the fused weight is split (stored whole on every rank, cut in the graph); HalfColumn: replicated.
-    assert report.linears == ((4, 4) if split else (1, 3)), str(report)
+    # TwoMLPs: the fused weight is split (stored whole on every rank, cut in the graph); HalfColumn:
+    # its MLP piece split in the graph, the rest read whole, stored whole (stored in segments, the
+    # replicated linear's output would be gathered: more moves than storing it whole, not taken)
+    assert report.linears == ((4, 4) if split else (3, 3)), str(report)
     assert rows["w"] == "Replicate()", rows
     # shard_whole: the same weight stored in pieces, gathered, then (TwoMLPs) cut in the graph: the
     # gather's backward keeps its piece of the gradient the cut's all-reduce has made whole

@@ -1,0 +1,245 @@
+"""A projection taken apart after it ran becomes one linear per piece, on the weight rows it reads.
+
+Multi-query attention fuses the query heads with the one K/V head in a single projection
+(Falcon's ``query_key_value``, GPT-BigCode's ``c_attn``) and takes its output apart:
+
+    before:  y = linear(x, W)                      # W [(H + 2) * d, D]
+             v = view(y, [b, s, H + 2, d])
+             q = slice(v, 2, 0, -2); k = index(v, [.., .., [-2]]); v1 = index(v, [.., .., [-1]])
+    after:   q = view(linear(x, slice(W, 0, 0, H * d)), [b, s, H, d])
+             k = view(linear(x, slice(W, 0, H * d, (H + 1) * d)), [b, s, 1, d])
+             v1 = view(linear(x, slice(W, 0, (H + 1) * d, (H + 2) * d)), [b, s, 1, d])
+
+Each piece is then a linear of its own, reading rows of ``W``: the query heads' can be
+column-parallel while the K/V head, which every query head reads and no split divides, runs
+whole (``graph.analysis`` splits a parameter read in pieces, some pieces whole). Every output
+element is the same dot product of the same operands as before.
+
+The output may pass through views that keep its other dims (an ``unsqueeze``, a ``view`` that
+splits the features into groups of ``d``) before it is taken apart along the features (or
+groups) by ``slice``, ``split``/``split_with_sizes`` or ``index`` with a constant run of
+indices; the pieces must tile it. Matching (``projection_pieces``) is separate from the
+rewrite (``unfuse``). ``graph.analysis`` asks for it only for projections it left whole.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from sptransform.graph.nodes import packet, shape_of
+
+aten = torch.ops.aten
+
+_WEIGHT_VIEWS = {aten.t, aten.transpose, aten.permute, aten.alias, aten.detach, aten.numpy_T, aten.mT}
+_RESHAPES = {aten.view, aten.reshape, aten._unsafe_view}
+
+
+@dataclass(frozen=True)
+class Step:
+    """One view between the projection and the pieces: ``node``, and the dim of its output that
+    carries the features (``rows``: weight rows per element of that dim)."""
+
+    node: fx.Node
+    dim: int
+    rows: int
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """A projection (``node``: ``linear``/``matmul``/``mm`` of an activation by a weight read through
+    ``weight_views`` from ``weight``, rows along ``out_dim``), the views after it and how its output
+    is taken apart: ``readers`` -> ``(start, end)`` in weight rows."""
+
+    node: fx.Node
+    weight: fx.Node
+    weight_arg: int
+    weight_views: tuple[fx.Node, ...]
+    out_dim: int
+    bias_arg: int | None
+    steps: tuple[Step, ...]
+    readers: tuple[tuple[fx.Node, int, int], ...]
+
+
+def projection_pieces(node: fx.Node, weight: fx.Node, out_dim: int, constants: dict[fx.Node, torch.Tensor]) -> Pieces | None:
+    """How the output of the linear ``node`` (weight parameter ``weight``, output features along its
+    ``out_dim``, and along the output's last dim) is taken apart, or None if it is not (see the module
+    docstring). ``constants``: placeholder -> real value, for constant indices."""
+    p = packet(node)
+    if p is aten.linear:
+        weight_arg, bias_arg = 1, (2 if len(node.args) > 2 and node.args[2] is not None else None)
+    elif p in (aten.matmul, aten.mm):
+        weight_arg, bias_arg = 1, None
+    else:
+        return None
+    views: list[fx.Node] = []
+    w = node.args[weight_arg]
+    while isinstance(w, fx.Node) and packet(w) in _WEIGHT_VIEWS:
+        views.append(w)
+        w = w.args[0]
+    if w is not weight or len(shape_of(weight) or ()) != 2 or any(len(v.users) != 1 for v in views):
+        return None
+    if bias_arg is not None and not _is_placeholder_vector(node.args[bias_arg], shape_of(weight)[out_dim]):
+        return None
+    out = shape_of(node)
+    rows = shape_of(weight)[out_dim]
+    if out is None or out[-1] != rows:
+        return None
+    steps: list[Step] = []
+    cur, dim, per = node, len(out) - 1, 1
+    while len(cur.users) == 1:
+        (user,) = cur.users
+        found = _view_step(user, dim, per)
+        if found is None:
+            break
+        steps.append(found)
+        cur, dim, per = user, found.dim, found.rows
+    size = shape_of(cur)[dim]
+    readers: list[tuple[fx.Node, int, int]] = []
+    for user in cur.users:
+        taken = _taken(user, cur, dim, size, constants)
+        if taken is None:
+            return None
+        readers.extend((r, a * per, b * per) for r, a, b in taken)
+    bounds = sorted((a, b) for _, a, b in readers)
+    if len(bounds) < 2 or bounds[0][0] != 0 or bounds[-1][1] != rows or any(
+            b0 != a1 for (_, b0), (a1, _) in zip(bounds, bounds[1:])) or any(a >= b for a, b in bounds):
+        return None  # the pieces must tile the rows, each taken once
+    return Pieces(node, weight, weight_arg, tuple(reversed(views)), out_dim, bias_arg, tuple(steps), tuple(readers))
+
+
+def _is_placeholder_vector(node, size: int) -> bool:
+    return isinstance(node, fx.Node) and node.op == "placeholder" and list(shape_of(node) or ()) == [size]
+
+
+def _view_step(user: fx.Node, dim: int, per: int) -> Step | None:
+    """``user`` as a view that keeps every dim but the features' (``dim``), which it may split
+    into ``[groups, d]``; None if it is anything else."""
+    p = packet(user)
+    shape_in = shape_of(user.args[0])
+    shape_out = shape_of(user)
+    if shape_in is None or shape_out is None:
+        return None
+    if p is aten.unsqueeze:
+        d = user.args[1] % len(shape_out)
+        return Step(user, dim + 1 if d <= dim else dim, per)
+    if p not in _RESHAPES:
+        return None
+    if list(shape_out) == list(shape_in):
+        return Step(user, dim, per)
+    before, after = list(shape_in[:dim]), list(shape_in[dim + 1:])
+    if list(shape_out[:dim]) != before or len(shape_out) != len(shape_in) + 1 or list(shape_out[dim + 2:]) != after:
+        return None
+    groups, d = shape_out[dim], shape_out[dim + 1]
+    if groups * d != shape_in[dim]:
+        return None
+    requested = list(user.args[1])
+    if any(v == -1 for i, v in enumerate(requested) if i != dim):
+        return None  # an inferred size elsewhere would change meaning when the groups change
+    return Step(user, dim, per * d)
+
+
+def _taken(user: fx.Node, x: fx.Node, dim: int, size: int, constants) -> list[tuple[fx.Node, int, int]] | None:
+    """The pieces of ``x`` (``(reader, start, end)`` along ``dim``) that ``user`` takes, or None."""
+    p = packet(user)
+    ndim = len(shape_of(x))
+    if p is aten.slice and user.args[0] is x:
+        d = user.args[1] if len(user.args) > 1 else 0
+        start = user.args[2] if len(user.args) > 2 else 0
+        end = user.args[3] if len(user.args) > 3 else None
+        step = user.args[4] if len(user.args) > 4 else 1
+        if d % ndim != dim or step != 1:
+            return None
+        start = 0 if start is None else (start + size if start < 0 else start)
+        end = size if end is None else (end + size if end < 0 else end)
+        start, end = max(0, min(start, size)), max(0, min(end, size))
+        return [(user, start, end)]
+    if p in (aten.split, aten.split_with_sizes) and user.args[0] is x:
+        d = user.args[2] if len(user.args) > 2 else 0
+        if d % ndim != dim:
+            return None
+        sizes = user.args[1]
+        if isinstance(sizes, int):
+            sizes = [min(sizes, size - a) for a in range(0, size, sizes)]
+        out, at = [], 0
+        by_index = {item.args[1]: item for item in user.users if item.target is operator.getitem}
+        if len(by_index) != len(user.users):
+            return None
+        for i, n in enumerate(sizes):
+            if i in by_index:
+                out.append((by_index[i], at, at + n))
+            at += n
+        return out
+    if p is aten.index and user.args[0] is x:
+        indices = list(user.args[1])
+        if len(indices) != dim + 1 or any(i is not None for i in indices[:dim]):
+            return None
+        value = _constant(indices[dim], constants)
+        if value is None or value.dim() != 1 or value.numel() == 0 or value.is_floating_point():
+            return None
+        values = [int(v) + size if int(v) < 0 else int(v) for v in value.tolist()]
+        if values != list(range(values[0], values[0] + len(values))) or not 0 <= values[0] < values[-1] + 1 <= size:
+            return None
+        return [(user, values[0], values[-1] + 1)]
+    return None
+
+
+def _constant(node, constants) -> torch.Tensor | None:
+    while isinstance(node, fx.Node) and packet(node) in (aten.lift_fresh_copy, aten.clone, aten.detach, aten.alias):
+        node = node.args[0]
+    return constants.get(node) if isinstance(node, fx.Node) else None
+
+
+def unfuse(gm: fx.GraphModule, pieces: Pieces) -> None:
+    """Rewrite ``pieces``' projection as one linear per piece (see the module docstring)."""
+    graph = gm.graph
+    node = pieces.node
+    split_nodes = set()
+    for reader, start, end in pieces.readers:
+        with graph.inserting_before(node):
+            w = _op(graph, aten.slice.Tensor, (pieces.weight, pieces.out_dim, start, end), like=node)
+            for view in pieces.weight_views:
+                w = _op(graph, view.target, (w, *view.args[1:]), view.kwargs, like=view)
+            args = list(node.args)
+            args[pieces.weight_arg] = w
+            if pieces.bias_arg is not None:
+                args[pieces.bias_arg] = _op(graph, aten.slice.Tensor, (node.args[pieces.bias_arg], 0, start, end), like=node)
+            y = _op(graph, node.target, tuple(args), node.kwargs, like=node)
+            for step in pieces.steps:
+                sargs = list(step.node.args)
+                sargs[0] = y
+                if packet(step.node) in _RESHAPES:
+                    shape = list(sargs[1])
+                    if shape[step.dim] != -1:
+                        shape[step.dim] = (end - start) // step.rows
+                    sargs[1] = shape
+                y = _op(graph, step.node.target, tuple(sargs), step.node.kwargs, like=step.node)
+        y.meta = {**reader.meta, "val": y.meta["val"]}
+        if reader.target is operator.getitem:
+            split_nodes.add(reader.args[0])
+        reader.replace_all_uses_with(y)
+        graph.erase_node(reader)
+    for split in split_nodes:
+        graph.erase_node(split)
+    for step in reversed(pieces.steps):
+        if not step.node.users:
+            graph.erase_node(step.node)
+    if not node.users:
+        graph.erase_node(node)
+        for view in reversed(pieces.weight_views):
+            if not view.users:
+                graph.erase_node(view)
+
+
+def _op(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None, *, like: fx.Node) -> fx.Node:
+    """A new node with its fake value computed from its inputs' (and ``like``'s source line)."""
+    kwargs = dict(kwargs or {})
+    new = graph.call_function(target, args, kwargs)
+    values = fx.node.map_arg(args, lambda n: n.meta["val"])
+    new.meta["val"] = target(*values, **kwargs)
+    if "stack_trace" in like.meta:
+        new.meta["stack_trace"] = like.meta["stack_trace"]
+    return new
