@@ -176,8 +176,9 @@ def _analyse(gm: fx.GraphModule, build: Build) -> PassResult:
     """Linears, regions, head and loss (``graph.analysis``); the parameters' placements."""
     tp, sp = build.options.tp, build.options.sp
     analysis = analyze(build.captured, tp, _kept_outputs(build))
-    if _unfuse_whole_projections(build, analysis):  # pieces of a projection left whole: linears of their own
-        analysis = analyze(build.captured, tp, _kept_outputs(build))
+    unfused = _unfused(build, analysis)  # pieces of a projection left whole, as linears of their own
+    if unfused is not None:
+        gm, analysis = unfused
     if sp and analysis.seq_len is None:
         raise ValueError("sp=True needs an attention or a short convolution over the sequence to find the sequence "
                          "dim; none was found: pass sp=False")
@@ -187,13 +188,33 @@ def _analyse(gm: fx.GraphModule, build: Build) -> PassResult:
             f"the sequence evenly: use a length that is a multiple of {tp}, or sp=False"
         )
     build.analysis, build.placements = analysis, parameter_placements(analysis, tp)
-    return PassResult(gm, False)
+    return PassResult(gm, unfused is not None)
 
 
-def _unfuse_whole_projections(build: Build, analysis: ModelAnalysis) -> int:
-    """``passes.unfuse`` for every projection the analysis left whole (no region, not the head)
-    whose output is taken apart: its pieces become linears the next analysis can place one by one
-    (the query heads of a multi-query projection column-parallel, its one K/V head whole)."""
+def _unfused(build: Build, analysis: ModelAnalysis) -> tuple[fx.GraphModule, ModelAnalysis] | None:
+    """The captured graph with ``passes.unfuse`` applied to every projection ``analysis`` left whole
+    (no region, not the head) whose output is taken apart, and its analysis, when that splits one
+    of their pieces (the query heads of a multi-query projection column-parallel, its one K/V
+    head whole); None (the graph as it was) when there is none, or it splits none."""
+    captured = build.captured
+    original = captured.gm
+    copied, node_of = fx.Graph(), {}
+    output = original.graph.find_nodes(op="output")[0]
+    copied.output(copied.graph_copy(original.graph, node_of), type_expr=output.type).meta = dict(output.meta)
+    captured.gm = fx.GraphModule(original, copied)
+    count = _unfuse_whole_projections(build, analysis, node_of)
+    if count:
+        trial = analyze(captured, build.options.tp, _kept_outputs(build))
+        if any(lm.weight_piece is not None and lm.weight_name in trial.read_whole_rows
+               for r in trial.regions for lm in r.column_linears.values()):
+            return captured.gm, trial
+    captured.gm = original
+    return None
+
+
+def _unfuse_whole_projections(build: Build, analysis: ModelAnalysis, node_of: dict[fx.Node, fx.Node]) -> int:
+    """``passes.unfuse`` on ``build.captured.gm`` for every projection ``analysis`` (of the graph
+    whose nodes ``node_of`` maps to it) left whole whose output is taken apart."""
     captured = build.captured
     placed = {lm.node for r in analysis.regions for lm in r.rows} | {c for r in analysis.regions for c in r.columns}
     if analysis.head is not None:
@@ -204,7 +225,7 @@ def _unfuse_whole_projections(build: Build, analysis: ModelAnalysis) -> int:
     for node, lm in analysis.linears.items():
         if node in placed or lm.weight_piece is not None or lm.per_group or lm.bias_piece is not None:
             continue
-        pieces = projection_pieces(node, lm.weight, lm.out_dim, constants)
+        pieces = projection_pieces(node_of[node], node_of[lm.weight], lm.out_dim, constants)
         if pieces is not None:
             found.append(pieces)
     for pieces in found:

@@ -35,17 +35,21 @@ def model_for(name: str):
 
 
 def train_cases(rank: int, world: int, port: int, cases) -> None:
-    """Each case of ``cases`` parallelized at tp=``world``, its held share checked against its
-    bound, then trained 3 AdamW steps beside the original (also run by other gloo tests)."""
+    """Each case of ``cases`` (``(name, sp, bound)``, or ``(name, sp, bound, "eval")`` for a model
+    whose dropout the ranks cannot draw as one device does: trained in eval() mode) parallelized at tp=``world``, its
+    held share checked against its bound, then trained 3 AdamW steps beside the original (also
+    run by other gloo tests)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
         import sptransform
 
-        for name, sp, bound in cases:
+        for name, sp, bound, *mode in cases:  # mode: ("eval",) for a model with dropout
             if name not in zoo.ZOO and not has_transformers():
                 continue
             model, batch, close = model_for(name)
+            if mode == ["eval"]:
+                model.eval()
             ref = copy.deepcopy(model)
             pm = sptransform.parallelize(model, tp=world, sp=sp, example_inputs=batch)
             what = f"{name} sp={sp} "

@@ -112,7 +112,7 @@ def projection_pieces(node: fx.Node, weight: fx.Node, out_dim: int, constants: d
 
 
 def _is_placeholder_vector(node, size: int) -> bool:
-    return isinstance(node, fx.Node) and node.op == "placeholder" and list(shape_of(node) or ()) == [size]
+    return isinstance(node, fx.Node) and node.op in ("placeholder", "get_attr") and list(shape_of(node) or ()) == [size]
 
 
 def _view_step(user: fx.Node, dim: int, per: int) -> Step | None:
