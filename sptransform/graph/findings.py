@@ -86,6 +86,9 @@ class Region:
     layer: int = 0
     more_rows: tuple[LinearMatch, ...] = ()
     """Row-parallel linears walked together with ``row`` (experts run on the chunks of one split)."""
+    crossed_statistic: bool = False
+    """The walk crossed a statistic over the split features outside attention (a gated norm over
+    a mixer's channels; from the head, the residual stream's norms): kept after the others."""
 
     @property
     def rows(self) -> tuple[LinearMatch, ...]:

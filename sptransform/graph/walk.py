@@ -165,13 +165,16 @@ def trace_region(
     contracting: list[LinearMatch] = []
     outside: ShardingError | None = None
     attention = any(packet(n) in _ATTENTION for n in specs) or any(packet(n) in _ATTENTION for n, _ in cuts)
+    crossed = False
     for node in specs:
         for user in node.users:
-            if attention and isinstance(specs[node], DimShard) and _statistic(node, user, specs[node].dim):
-                # sum(x * x) over the split features inside an attention block (a norm over the
-                # whole query projection): a partial sum, reduced where it is read. Elsewhere such
-                # a norm marks the block's edge: the residual stream's norms stop the walk back
-                # from the head (or it would cross every layer, the head a row-parallel linear)
+            if isinstance(specs[node], DimShard) and _statistic(node, user, specs[node].dim):
+                # sum(x * x) over the split features (a norm over the whole query projection, a
+                # gated norm over a mixer's channels): a partial sum, reduced where it is read.
+                # A walk from the head crosses the residual stream's norms the same way, into
+                # every layer: such a block outside attention is kept only where it takes no
+                # other block's linears (``non_overlapping_regions``)
+                crossed = crossed or not attention
                 continue
             if user not in inside and user not in exits and packet(user) not in READS_METADATA_ONLY:  # new_empty: dtype and device
                 err = ShardingError(f"{describe(node)} is used outside the tensor-parallel region by {describe(user)}")
@@ -188,7 +191,7 @@ def trace_region(
     kind = "attention" if attention else "mlp"
     return Region(
         row=row, columns=columns, specs=specs, cuts=cuts, kind=kind,
-        column_linears={n: linears[n] for n in columns}, more_rows=tuple(rows[1:]),
+        column_linears={n: linears[n] for n in columns}, more_rows=tuple(rows[1:]), crossed_statistic=crossed,
     )
 
 
@@ -285,13 +288,14 @@ def non_overlapping_regions(regions: list[Region], failures: dict[fx.Node, Shard
     attention whose walk back from its output projection reached it; an attention's output
     projection is also a "column" of the head when the walk back from the head crosses the
     residual. Blocks are kept greedily, the one with most column linears first (ties: in graph
-    order): a block whose row linear is a kept block's column, or whose column is a kept block's
-    row, is dropped (its linears run as the kept block says, or whole), its reason recorded for
-    ``explain()``."""
+    order), those whose walk crossed a norm's statistic outside attention last (a walk from the
+    head crosses every layer's): a block whose row linear is a kept block's column, or whose
+    column is a kept block's row, is dropped (its linears run as the kept block says, or whole),
+    its reason recorded for ``explain()``."""
     kept: set[int] = set()
     rows: set[fx.Node] = set()
     columns: set[fx.Node] = set()
-    for i in sorted(range(len(regions)), key=lambda i: -len(regions[i].columns)):
+    for i in sorted(range(len(regions)), key=lambda i: (regions[i].crossed_statistic, -len(regions[i].columns))):
         region = regions[i]
         its_rows = {lm.node for lm in region.rows}
         if its_rows & columns or rows & set(region.columns):

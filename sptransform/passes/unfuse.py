@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from sptransform.graph.nodes import packet, shape_of
+from sptransform.graph.nodes import forward_closure, packet, shape_of
 
 aten = torch.ops.aten
 
@@ -40,19 +40,22 @@ _RESHAPES = {aten.view, aten.reshape, aten._unsafe_view}
 
 @dataclass(frozen=True)
 class Step:
-    """One view between the projection and the pieces: ``node``, and the dim of its output that
-    carries the features (``rows``: weight rows per element of that dim)."""
+    """One op between the projection and a piece, replayed on the piece: ``node``; ``dim``, the dim
+    of its output that carries the features, ``rows`` weight rows per element of it; ``base``, the
+    weight row its input's first feature comes from (a convolution's channels are counted from it)."""
 
     node: fx.Node
     dim: int
     rows: int
+    base: int = 0
 
 
 @dataclass(frozen=True)
 class Pieces:
     """A projection (``node``: ``linear``/``matmul``/``mm`` of an activation by a weight read through
-    ``weight_views`` from ``weight``, rows along ``out_dim``), the views after it and how its output
-    is taken apart: ``readers`` -> ``(start, end)`` in weight rows."""
+    ``weight_views`` from ``weight``, rows along ``out_dim``) and how its output is taken apart:
+    ``readers`` -> ``(start, end, steps)``, the weight rows each reads and the ops between
+    (views, casts, elementwise ops, a depthwise convolution) that its piece goes through."""
 
     node: fx.Node
     weight: fx.Node
@@ -60,8 +63,7 @@ class Pieces:
     weight_views: tuple[fx.Node, ...]
     out_dim: int
     bias_arg: int | None
-    steps: tuple[Step, ...]
-    readers: tuple[tuple[fx.Node, int, int], ...]
+    readers: tuple[tuple[fx.Node, int, int, tuple[Step, ...]], ...]
 
 
 def projection_pieces(node: fx.Node, weight: fx.Node, out_dim: int, constants: dict[fx.Node, torch.Tensor]) -> Pieces | None:
@@ -88,27 +90,90 @@ def projection_pieces(node: fx.Node, weight: fx.Node, out_dim: int, constants: d
     rows = shape_of(weight)[out_dim]
     if out is None or out[-1] != rows:
         return None
-    steps: list[Step] = []
-    cur, dim, per = node, len(out) - 1, 1
+    readers = _pieces_of(node, len(out) - 1, 1, 0, (), constants, depth=0)
+    if readers is None:
+        return None
+    bounds = sorted((a, b) for _, a, b, _ in readers)
+    if len(bounds) < 2 or bounds[0][0] != 0 or bounds[-1][1] != rows or any(
+            b0 != a1 for (_, b0), (a1, _) in zip(bounds, bounds[1:])) or any(a >= b for a, b in bounds):
+        return None  # the pieces must tile the rows, each taken once
+    return Pieces(node, weight, weight_arg, tuple(reversed(views)), out_dim, bias_arg, tuple(readers))
+
+
+def _pieces_of(cur: fx.Node, dim: int, per: int, base: int, steps: tuple[Step, ...], constants,
+               depth: int) -> list[tuple[fx.Node, int, int, tuple[Step, ...]]] | None:
+    """The pieces ``cur`` (features along ``dim``, ``per`` weight rows each, the first from row
+    ``base``) is taken apart into, through the ops that keep its features apart, each piece taken
+    apart again where it is; None if ``cur`` is not taken apart."""
     while len(cur.users) == 1:
         (user,) = cur.users
-        found = _view_step(user, dim, per)
+        found = _step(user, dim, per, base)
         if found is None:
             break
-        steps.append(found)
+        steps = (*steps, found)
         cur, dim, per = user, found.dim, found.rows
+    if not cur.users or depth > 3:
+        return None
     size = shape_of(cur)[dim]
-    readers: list[tuple[fx.Node, int, int]] = []
+    out: list[tuple[fx.Node, int, int, tuple[Step, ...]]] = []
     for user in cur.users:
         taken = _taken(user, cur, dim, size, constants)
         if taken is None:
             return None
-        readers.extend((r, a * per, b * per) for r, a, b in taken)
-    bounds = sorted((a, b) for _, a, b in readers)
-    if len(bounds) < 2 or bounds[0][0] != 0 or bounds[-1][1] != rows or any(
-            b0 != a1 for (_, b0), (a1, _) in zip(bounds, bounds[1:])) or any(a >= b for a, b in bounds):
-        return None  # the pieces must tile the rows, each taken once
-    return Pieces(node, weight, weight_arg, tuple(reversed(views)), out_dim, bias_arg, tuple(steps), tuple(readers))
+        for reader, a, b in taken:
+            start, end = base + a * per, base + b * per
+            inner = _pieces_of(reader, dim, per, start, steps, constants, depth + 1)
+            out.extend(inner if inner is not None else [(reader, start, end, steps)])
+    return out
+
+
+def _step(user: fx.Node, dim: int, per: int, base: int) -> Step | None:
+    """``user`` as an op that keeps each feature apart (a view, a cast, an elementwise op of it
+    alone, a transpose, a slice along another dim, a depthwise convolution over the features as
+    channels); None if it is anything else."""
+    p = packet(user)
+    x = user.args[0] if user.args else None
+    if not isinstance(x, fx.Node) or shape_of(user) is None:
+        return None
+    ndim = len(shape_of(x))
+    if p in (aten.transpose,):
+        d0, d1 = (d % ndim for d in user.args[1:3])
+        return Step(user, d1 if dim == d0 else d0 if dim == d1 else dim, per, base)
+    if p is aten.permute:
+        order = [d % ndim for d in user.args[1]]
+        return Step(user, order.index(dim), per, base)
+    if p is aten.slice:
+        d = (user.args[1] if len(user.args) > 1 else 0) % ndim
+        return Step(user, dim, per, base) if d != dim else None
+    if p in _ELEMENTWISE or p in (aten.to, aten._to_copy, aten.contiguous, aten.clone, aten.alias):
+        others = [a for a in user.all_input_nodes if a is not x]
+        return Step(user, dim, per, base) if not others and shape_of(user) == shape_of(x) else None
+    if p in (aten.conv1d, aten.conv2d) and dim == 1 and _depthwise(user):
+        return Step(user, dim, per, base)
+    found = _view_step(user, dim, per)
+    return Step(found.node, found.dim, found.rows, base) if found is not None else None
+
+
+_ELEMENTWISE = frozenset({aten.silu, aten.gelu, aten.relu, aten.sigmoid, aten.tanh, aten.neg, aten.exp,
+                          aten.softplus, aten.mish, aten.hardswish, aten.square, aten.abs})
+
+
+def _depthwise(node: fx.Node) -> bool:
+    """A convolution of ``node.args[0]`` with one filter per channel (``groups`` = channels), its
+    weight (maybe through views) and bias parameters."""
+    x, w = node.args[0], node.args[1]
+    groups = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
+    channels = shape_of(x)[1]
+    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    return (groups == channels and _param_of(w) is not None and shape_of(w)[0] == channels
+            and (bias is None or _is_placeholder_vector(bias, channels)))
+
+
+def _param_of(node) -> fx.Node | None:
+    """The parameter placeholder ``node`` views (``squeeze``/``unsqueeze``/``view`` of it), if any."""
+    while isinstance(node, fx.Node) and packet(node) in (aten.squeeze, aten.unsqueeze, aten.view, aten.reshape, aten.alias):
+        node = node.args[0]
+    return node if isinstance(node, fx.Node) and node.op in ("placeholder", "get_attr") else None
 
 
 def _is_placeholder_vector(node, size: int) -> bool:
@@ -194,11 +259,13 @@ def _constant(node, constants) -> torch.Tensor | None:
 
 
 def unfuse(gm: fx.GraphModule, pieces: Pieces) -> None:
-    """Rewrite ``pieces``' projection as one linear per piece (see the module docstring)."""
+    """Rewrite ``pieces``' projection as one linear per piece (see the module docstring); the ops
+    between are replayed on each piece (a convolution on its channels' filters), and what the
+    whole projection's output fed is erased."""
     graph = gm.graph
     node = pieces.node
-    split_nodes = set()
-    for reader, start, end in pieces.readers:
+    downstream = set(forward_closure([node]))
+    for reader, start, end, steps in pieces.readers:
         with graph.inserting_before(node):
             w = _op(graph, aten.slice.Tensor, (pieces.weight, pieces.out_dim, start, end), like=node)
             for view in pieces.weight_views:
@@ -208,30 +275,63 @@ def unfuse(gm: fx.GraphModule, pieces: Pieces) -> None:
             if pieces.bias_arg is not None:
                 args[pieces.bias_arg] = _op(graph, aten.slice.Tensor, (node.args[pieces.bias_arg], 0, start, end), like=node)
             y = _op(graph, node.target, tuple(args), node.kwargs, like=node)
-            for step in pieces.steps:
-                sargs = list(step.node.args)
-                sargs[0] = y
-                if packet(step.node) in _RESHAPES:
-                    shape = list(sargs[1])
-                    if shape[step.dim] != -1:
-                        shape[step.dim] = (end - start) // step.rows
-                    sargs[1] = shape
-                y = _op(graph, step.node.target, tuple(sargs), step.node.kwargs, like=step.node)
+            for step in steps:
+                y = _replay(graph, step, y, start, end)
         y.meta = {**reader.meta, "val": y.meta["val"]}
-        if reader.target is operator.getitem:
-            split_nodes.add(reader.args[0])
         reader.replace_all_uses_with(y)
-        graph.erase_node(reader)
-    for split in split_nodes:
-        graph.erase_node(split)
-    for step in reversed(pieces.steps):
-        if not step.node.users:
-            graph.erase_node(step.node)
-    if not node.users:
-        graph.erase_node(node)
-        for view in reversed(pieces.weight_views):
-            if not view.users:
-                graph.erase_node(view)
+    # the whole projection and the ops that took it apart, and the views of its weight and of
+    # convolution filters that only they read
+    inputs: list[fx.Node] = []
+    for dead in reversed(list(graph.nodes)):
+        if dead in downstream and not dead.users and dead.op == "call_function" and not dead.is_impure():
+            inputs.extend(a for a in dead.all_input_nodes if a not in downstream)
+            graph.erase_node(dead)
+    erased: set[fx.Node] = set()
+    while inputs:
+        w = inputs.pop()
+        if w not in erased and w.op == "call_function" and not w.users:
+            inputs.extend(w.all_input_nodes)
+            graph.erase_node(w)
+            erased.add(w)
+
+
+def _replay(graph: fx.Graph, step: Step, y: fx.Node, start: int, end: int) -> fx.Node:
+    """``step``'s op on the piece ``y`` of weight rows ``[start, end)``."""
+    args = list(step.node.args)
+    args[0] = y
+    p = packet(step.node)
+    if p in _RESHAPES:
+        shape = list(args[1])
+        if shape[step.dim] != -1:
+            shape[step.dim] = (end - start) // step.rows
+        args[1] = shape
+    elif p in (aten.conv1d, aten.conv2d):  # this piece's channels' filters, one group each
+        lo, hi = (start - step.base) // step.rows, (end - step.base) // step.rows
+        args[1] = _sliced(graph, args[1], lo, hi, step.node)
+        if len(args) > 2 and args[2] is not None:
+            args[2] = _op(graph, aten.slice.Tensor, (args[2], 0, lo, hi), like=step.node)
+        while len(args) < 7:
+            args.append([None, None, [1], [0], [1], 1][len(args) - 1])
+        args[6] = hi - lo
+    return _op(graph, step.node.target, tuple(args), step.node.kwargs, like=step.node)
+
+
+def _sliced(graph: fx.Graph, w: fx.Node, lo: int, hi: int, like: fx.Node) -> fx.Node:
+    """The views from a parameter to ``w`` replayed on its rows ``[lo, hi)``."""
+    chain = []
+    while w.op == "call_function":
+        chain.append(w)
+        w = w.args[0]
+    out = _op(graph, aten.slice.Tensor, (w, 0, lo, hi), like=like)
+    for view in reversed(chain):
+        args = list(view.args)
+        args[0] = out
+        if packet(view) in _RESHAPES:
+            shape = list(args[1])
+            shape[0] = hi - lo
+            args[1] = shape
+        out = _op(graph, view.target, tuple(args), view.kwargs, like=view)
+    return out
 
 
 def _op(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None, *, like: fx.Node) -> fx.Node:

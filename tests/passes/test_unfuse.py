@@ -84,7 +84,7 @@ def test_pieces_of_a_projection_taken_apart_are_found_with_their_weight_rows(mod
     gm = _export(model(), torch.randn(2, 3, 16))
     pieces = _match(gm)
     assert pieces is not None
-    assert sorted((a, b) for _, a, b in pieces.readers) == rows
+    assert sorted((a, b) for _, a, b, _ in pieces.readers) == rows
 
 
 @pytest.mark.parametrize("model", [NotTiled, ReadWhole])
@@ -108,6 +108,6 @@ def test_unfuse_makes_one_linear_per_piece_on_its_weight_rows_and_keeps_the_valu
     slices = sorted(tuple(n.args[2:4]) for n in gm.graph.nodes
                     if n.target is aten.slice.Tensor and n.args[0].op == "get_attr" and n.args[1] == 0
                     and n.args[0].meta["val"].dim() == 2)
-    assert slices == sorted((a, b) for _, a, b in _match(_export(model(), x)).readers)
+    assert slices == sorted((a, b) for _, a, b, _ in _match(_export(model(), x)).readers)
     assert not any(n.target in (aten.index.Tensor, aten.split_with_sizes.default) for n in gm.graph.nodes)
     torch.testing.assert_close(gm(x), expected, rtol=0, atol=1e-12)
