@@ -1708,6 +1708,65 @@ class WrittenQKNormLM(WholeQKNormLM):
         self.norm = WrittenRMSNorm(d)
 
 
+# --------------------------------------------------------------------------------------------
+# 34. a Mamba-2 mixer in its quadratic (attention-like) form: one in_proj for [gate | x B C | dt],
+#     a depthwise causal convolution over x, B and C together, one group of B and C for all heads
+#     (read whole by every head), the decay as exp of differences of cumulative sums with -inf
+#     above the diagonal, a gated RMSNorm over all channels, out_proj
+
+
+class SSDMixer(nn.Module):
+    def __init__(self, d=HIDDEN, heads=HEADS, head_dim=16, state=8, kernel=4):
+        super().__init__()
+        self.heads, self.head_dim, self.state = heads, head_dim, state
+        self.inner = heads * head_dim
+        channels = self.inner + 2 * state
+        self.in_proj = nn.Linear(d, self.inner + channels + heads, bias=False)
+        self.conv = nn.Conv1d(channels, channels, kernel, groups=channels, padding=kernel - 1)
+        self.a_log = nn.Parameter(torch.log(torch.arange(1, heads + 1, dtype=torch.float)))
+        self.dt_bias = nn.Parameter(torch.linspace(-1.0, 0.5, heads))
+        self.skip = nn.Parameter(torch.ones(heads))
+        self.norm_weight = nn.Parameter(torch.ones(self.inner))
+        self.out_proj = nn.Linear(self.inner, d, bias=False)
+
+    def forward(self, u):
+        b, t, _ = u.shape
+        gate, xbc, dt = self.in_proj(u).split([self.inner, self.inner + 2 * self.state, self.heads], dim=-1)
+        xbc = F.silu(self.conv(xbc.transpose(1, 2))[..., :t].transpose(1, 2))
+        x, into, out_of = xbc.split([self.inner, self.state, self.state], dim=-1)
+        x = x.view(b, t, self.heads, self.head_dim)
+        dt = F.softplus(dt + self.dt_bias)                                     # [b, t, heads]
+        total = torch.cumsum(dt * -torch.exp(self.a_log), dim=1)              # [b, t, heads]
+        causal = torch.ones(t, t, dtype=torch.bool, device=u.device).tril()
+        gap = (total[:, :, None, :] - total[:, None, :, :]).masked_fill(~causal[None, :, :, None], float("-inf"))
+        weights = torch.einsum("btn,bsn->bts", out_of, into)[..., None] * torch.exp(gap) * dt[:, None]
+        y = torch.einsum("btsh,bshp->bthp", weights, x) + x * self.skip[:, None]
+        y = y.reshape(b, t, self.inner) * F.silu(gate)
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm_weight
+        return self.out_proj(y)
+
+
+class SSDMixerLM(nn.Module):
+    """Every layer a Mamba-2 mixer then a gelu MLP, pre-norm (RMSNorm)."""
+
+    def __init__(self, vocab=128, d=HIDDEN, n_layer=LAYERS):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.mixers = nn.ModuleList(SSDMixer(d) for _ in range(n_layer))
+        self.norms = nn.ModuleList(nn.RMSNorm(d) for _ in range(2 * n_layer))
+        self.mlps = nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+                                  for _ in range(n_layer))
+        self.norm_f = nn.RMSNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx, targets=None):
+        x = self.wte(idx)
+        for i, mixer in enumerate(self.mixers):
+            x = x + mixer(self.norms[2 * i](x))
+            x = x + self.mlps[i](self.norms[2 * i + 1](x))
+        return _loss_or_logits(self.lm_head(self.norm_f(x)), targets)
+
+
 @dataclass(frozen=True)
 class Entry:
     build: Callable[[], nn.Module]
@@ -1806,6 +1865,8 @@ ZOO: dict[str, Entry] = {
     "qk_norm_written": Entry(WrittenQKNormLM, "qk_norm_whole with every RMSNorm written out (a cast up, pow, "
                              "mean, rsqrt) as transformers' OLMo-2 has it"),
     "inplace_result": Entry(InPlaceResultLM, "in-place mul_, triu_, masked_fill_ read through their own results"),
+    "ssd_mixer": Entry(SSDMixerLM, "Mamba-2 mixer, quadratic form: one in_proj split [gate | conv(x B C) | dt], "
+                       "depthwise causal conv, one B/C group for all heads, gated RMSNorm over all channels"),
 }
 
 

@@ -111,3 +111,49 @@ def test_unfuse_makes_one_linear_per_piece_on_its_weight_rows_and_keeps_the_valu
     assert slices == sorted((a, b) for _, a, b, _ in _match(_export(model(), x)).readers)
     assert not any(n.target in (aten.index.Tensor, aten.split_with_sizes.default) for n in gm.graph.nodes)
     torch.testing.assert_close(gm(x), expected, rtol=0, atol=1e-12)
+
+
+class MambaLike(nn.Module):
+    """Mamba-2's in_proj: [gate | x B C | dt], the middle piece convolved per channel (depthwise,
+    causal), then taken apart again into x, B and C."""
+
+    def __init__(self, hidden=16, inner=8, state=4, heads=2):
+        super().__init__()
+        self.sizes = [inner, inner + 2 * state, heads]
+        self.inner_sizes = [inner, state, state]
+        channels = inner + 2 * state
+        self.in_proj = nn.Linear(hidden, sum(self.sizes), bias=False)
+        self.conv = nn.Conv1d(channels, channels, 3, groups=channels, padding=2)
+
+    def forward(self, u):
+        t = u.shape[1]
+        gate, xbc, dt = self.in_proj(u).split(self.sizes, dim=-1)
+        xbc = torch.nn.functional.silu(self.conv(xbc.transpose(1, 2))[..., :t]).transpose(1, 2)
+        x, b, c = xbc.split(self.inner_sizes, dim=-1)
+        return (x * gate).sum(-1) + (b * c).sum(-1) + dt.sum(-1)
+
+
+def test_pieces_taken_apart_again_after_a_depthwise_convolution_are_found_through_it():
+    gm = _export(MambaLike(), torch.randn(2, 5, 16))
+    pieces = _match(gm)
+    assert pieces is not None
+    found = sorted((a, b, tuple(s.node.target for s in steps)) for _, a, b, steps in pieces.readers)
+    assert [(a, b) for a, b, _ in found] == [(0, 8), (8, 16), (16, 20), (20, 24), (24, 26)]
+    through_conv = [steps for a, b, steps in found if 8 <= a < 24]
+    assert all(aten.conv1d.default in steps for steps in through_conv), found
+
+
+def test_unfuse_replays_the_convolution_on_each_pieces_filters_and_keeps_the_value():
+    torch.manual_seed(0)
+    module = MambaLike().double()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    gm = _export(module, x)
+    expected = gm(x)
+    unfuse(gm, _match(gm))
+    gm.graph.lint()
+    gm.recompile()
+    convs = [n for n in gm.graph.nodes if n.target is aten.conv1d.default]
+    assert sorted(n.args[6] for n in convs) == [4, 4, 8]  # one group per channel of each piece
+    assert len([n for n in gm.graph.nodes if n.target is aten.linear.default]) == 5
+    assert not any(n.target is aten.split_with_sizes.default for n in gm.graph.nodes)
+    torch.testing.assert_close(gm(x), expected, rtol=0, atol=1e-12)
