@@ -196,15 +196,17 @@ def _view_step(user: fx.Node, dim: int, per: int) -> Step | None:
     if list(shape_out) == list(shape_in):
         return Step(user, dim, per)
     before, after = list(shape_in[:dim]), list(shape_in[dim + 1:])
-    if list(shape_out[:dim]) != before or len(shape_out) != len(shape_in) + 1 or list(shape_out[dim + 2:]) != after:
+    extra = len(shape_out) - len(shape_in) - 1  # size-1 dims in front of [groups, d]: Falcon's one K/V group
+    if extra < 0 or list(shape_out[:dim]) != before or list(shape_out[dim + extra + 2:]) != after \
+            or any(n != 1 for n in shape_out[dim:dim + extra]):
         return None
-    groups, d = shape_out[dim], shape_out[dim + 1]
+    groups, d = shape_out[dim + extra], shape_out[dim + extra + 1]
     if groups * d != shape_in[dim]:
         return None
     requested = list(user.args[1])
-    if any(v == -1 for i, v in enumerate(requested) if i != dim):
-        return None  # an inferred size elsewhere would change meaning when the groups change
-    return Step(user, dim, per * d)
+    if any(v == -1 for i, v in enumerate(requested) if not dim <= i <= dim + extra):
+        return None  # an inferred size elsewhere would change meaning when the groups change (a size-1 one would not)
+    return Step(user, dim + extra, per * d)
 
 
 def _taken(user: fx.Node, x: fx.Node, dim: int, size: int, constants) -> list[tuple[fx.Node, int, int]] | None:
