@@ -334,18 +334,21 @@ def _seeds(params: dict[fx.Node, str], placements: Mapping[str, ParamPlacement])
 
 
 def _moves_no_more(trial: Propagation, base: Propagation, exempt: set[fx.Node]) -> bool:
-    """Whether ``trial`` moves no more tensors of any kind than ``base``, edges from ``exempt``
-    (the slices of rows read whole, which ``trial`` gathers) aside."""
-    def counts(prop: Propagation) -> dict[str, int]:
-        out: dict[str, int] = {}
+    """Whether ``trial`` moves no more tensors of any kind, and no more bytes of any kind, than
+    ``base``, edges from ``exempt`` (the slices of rows read whole, which ``trial`` gathers) aside."""
+    def moves(prop: Propagation) -> dict[str, tuple[int, int]]:
+        out: dict[str, tuple[int, int]] = {}
         for node, _, have, want in prop.changes():
             kind = move_kind(have, want)
             if node not in exempt and kind != "cut":
-                out[kind] = out.get(kind, 0) + 1
+                count, size = out.get(kind, (0, 0))
+                value = node.meta.get("val")
+                out[kind] = (count + 1, size + (value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0))
         return out
 
-    theirs = counts(base)
-    return all(n <= theirs.get(kind, 0) for kind, n in counts(trial).items())
+    theirs = moves(base)
+    return all(n <= theirs.get(kind, (0, 0))[0] and size <= theirs.get(kind, (0, 0))[1]
+               for kind, (n, size) in moves(trial).items())
 
 
 def _store_read_splits(build: Build, run: Callable[[dict], Propagation]) -> None:
