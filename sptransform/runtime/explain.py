@@ -73,7 +73,8 @@ def largest_whole(analysis, plan, count: int = 8) -> list[str]:
                   if name not in plan.placements or plan.placements[name].spec is None}
     pieces = {name: size for name, size in read_whole.items()
               if name in plan.placements and plan.placements[name].gathered is not None}
-    whole = {name: size for name, size in read_whole.items() if name not in pieces}
+    whole = {name: size for name, size in analysis.param_bytes.items()  # stored whole, split in the graph or not
+             if name not in pieces and (name not in plan.placements or plan.placements[name].storage is None)}
     lines = []
     if total and pieces:
         lines.append(f"computed whole but stored in 1/tp pieces (shard_whole=True), gathered where read: "
@@ -83,7 +84,10 @@ def largest_whole(analysis, plan, count: int = 8) -> list[str]:
     lines.append(f"held whole on every rank: {len(whole)} parameters, {sum(whole.values()) / total:.1%} of the "
                  f"parameter bytes; the largest:")
     for name, size in sorted(whole.items(), key=lambda x: (-x[1], x[0]))[:count]:
-        why = analysis.whole_reasons.get(name, "no rule splits it")
+        placement = plan.placements.get(name)
+        why = ("split in the graph, stored whole: no DTensor placement holds its pieces' segments, so each "
+               "rank cuts its rows from the whole" if placement is not None and placement.stored_whole
+               else analysis.whole_reasons.get(name, "no rule splits it"))
         lines.append(f"  {name:<50} {size:>12,} B {size / total:6.1%}  {why}")
     if not pieces and sum(whole.values()) / total > WHOLE_HINT:
         lines.append("  shard_whole=True would store these in 1/tp pieces (their compute stays whole; one "
