@@ -6,9 +6,13 @@ fake parameters), then runs ``PASSES`` top to bottom (``build_parallel_graph``):
 
     remove_dead_code ... repeat_grouped_kv   passes.canonicalize     canonical forms (tp > 1)
     analyse                                  graph.analysis          linears, regions, head, loss -> placements
+                                             (+ passes.unfuse)       a projection left whole whose output is taken
+                                                                     apart: one linear per piece, if that splits one
     split_bias                               passes.canonicalize     row biases added after the partial sum
     parallel_plan                            graph.plan              the plan, the tp_rank input
     propagate                                graph.propagate         every node: replicated / split / partial
+                                             (+ graph.strided_storage) rows read whole beside split ones: stored in
+                                                                     equal segments, if that moves nothing more
     gradient_reductions                      graph.gradients         where gradients arrive partial
     tensor_parallel                          passes.tensor_parallel  local shapes, collectives, f, buckets
     dropout                                  passes.dropout          rank-aware masks
