@@ -206,12 +206,14 @@ def _unfused(build: Build, analysis: ModelAnalysis) -> tuple[fx.GraphModule, Mod
     output = original.graph.find_nodes(op="output")[0]
     copied.output(copied.graph_copy(original.graph, node_of), type_expr=output.type).meta = dict(output.meta)
     captured.gm = fx.GraphModule(original, copied)
-    count = _unfuse_whole_projections(build, analysis, node_of)
-    if count:
-        trial = analyze(captured, build.options.tp, _kept_outputs(build))
-        if any(lm.weight_piece is not None and lm.weight_name in trial.read_whole_rows
-               for r in trial.regions for lm in r.column_linears.values()):
-            return captured.gm, trial
+    try:
+        if _unfuse_whole_projections(build, analysis, node_of):
+            trial = analyze(captured, build.options.tp, _kept_outputs(build))
+            if any(lm.weight_piece is not None and lm.weight_name in trial.read_whole_rows
+                   for r in trial.regions for lm in r.column_linears.values()):
+                return captured.gm, trial
+    except ShardingError:  # a piece's block that tp does not divide: the graph as it was, which analysed
+        pass
     captured.gm = original
     return None
 
@@ -288,8 +290,7 @@ def _split_linears(analysis: ModelAnalysis, placements: Mapping[str, ParamPlacem
 
 def _propagate(gm: fx.GraphModule, build: Build) -> PassResult:
     """Every node's placement, from the parameters' (``graph.propagate``)."""
-    if build.analysis.read_whole_rows:
-        whole_runs(gm, build.params, build.analysis)
+    changed = bool(build.analysis.read_whole_rows) and whole_runs(gm, build.params, build.analysis) > 0
     build.constant = constant_nodes(gm, set(build.captured.state_placeholders))
     kept = _kept_outputs(build)
     seeds, cut_seeds = _seeds(build.params, build.placements)
@@ -309,11 +310,10 @@ def _propagate(gm: fx.GraphModule, build: Build) -> PassResult:
                               cut_seeds=strided_cuts, keep_outputs=kept)
         except ShardingError:
             trial = None
-        runs = {u for node, name in build.params.items() if name in build.analysis.read_whole_rows for u in node.users}
-        if trial is not None and _moves_no_more(trial, build.propagation, runs):
-            build.placements.clear()
+        exempt = {u for node, name in build.params.items() if name in build.analysis.read_whole_rows for u in node.users}
+        if trial is not None and _moves_no_more(trial, build.propagation, exempt):
+            build.placements.clear()  # (the plan's placements are this dict)
             build.placements.update(strided)
-            build.plan.placements = build.placements
             seeds, cut_seeds = strided_seeds, strided_cuts
             build.propagation = trial
     split_inputs = _split_input_seeds(build)
@@ -323,7 +323,7 @@ def _propagate(gm: fx.GraphModule, build: Build) -> PassResult:
         build.plan.input_specs.update({users.index(node): spec for node, spec in split_inputs.items()})
     if build.options.ep == 1:  # (expert parallelism places the experts' parameters itself)
         _store_read_splits(build, lambda more: run({**seeds, **split_inputs, **more}))
-    return PassResult(gm, False)
+    return PassResult(gm, changed)
 
 
 def _seeds(params: dict[fx.Node, str], placements: Mapping[str, ParamPlacement]) -> tuple[dict, dict]:
