@@ -15,11 +15,22 @@ column-parallel while the K/V head, which every query head reads and no split di
 whole (``graph.analysis`` splits a parameter read in pieces, some pieces whole). Every output
 element is the same dot product of the same operands as before.
 
-The output may pass through views that keep its other dims (an ``unsqueeze``, a ``view`` that
-splits the features into groups of ``d``) before it is taken apart along the features (or
-groups) by ``slice``, ``split``/``split_with_sizes`` or ``index`` with a constant run of
-indices; the pieces must tile it. Matching (``projection_pieces``) is separate from the
-rewrite (``unfuse``). ``graph.analysis`` asks for it only for projections it left whole.
+The output may pass through ops that keep each feature apart (an ``unsqueeze``, a ``view`` that
+splits the features into groups of ``d``, casts, elementwise ops of it alone, transposes, a slice
+along another dim, a depthwise convolution with the features as channels) before it is taken
+apart along the features (or groups) by ``slice``, ``split``/``split_with_sizes`` or ``index``
+with a constant run of indices, and a piece may be taken apart again the same way; the pieces
+must tile the rows. Those ops are replayed on each piece, a convolution with its channels'
+filters and one group per channel. A Mamba-2 mixer:
+
+    before:  g, xbc, dt = split(linear(u, W), [I, C, H]); c = conv1d(xbc.T, F, b, groups=C).T
+             x, B, C_ = split(c, [I, N, N])
+    after:   g = linear(u, W[0:I]); dt = linear(u, W[I+C:])
+             x = conv1d(linear(u, W[I:2I]).T, F[0:I], b[0:I], groups=I).T     # B, C_ alike
+
+Matching (``projection_pieces``) is separate from the rewrite (``unfuse``). The driver
+(``transform._unfused``) asks for it only for projections the analysis left whole, on a copy of
+the graph it keeps only when the next analysis splits a piece.
 """
 
 from __future__ import annotations
