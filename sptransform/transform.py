@@ -80,7 +80,7 @@ from sptransform.graph.experts import data_nodes, find_expert_regions, is_bmm_se
 from sptransform.passes.token_weighting import weight_by_token_counts
 from sptransform.passes.overlap import schedule_collectives
 from sptransform.passes.remat import remat_partition
-from sptransform.passes.unfuse import projection_pieces, unfuse
+from sptransform.passes.unfuse import unfused_analysis
 from sptransform.passes.shard_whole import shard_whole, stored_split, whole_parameters
 from sptransform.passes.tensor_parallel import add_rank_input, apply_placements
 from sptransform.pipeline.plan import PipelinePlan
@@ -180,7 +180,7 @@ def _analyse(gm: fx.GraphModule, build: Build) -> PassResult:
     """Linears, regions, head and loss (``graph.analysis``); the parameters' placements."""
     tp, sp = build.options.tp, build.options.sp
     analysis = analyze(build.captured, tp, _kept_outputs(build))
-    unfused = _unfused(build, analysis)  # pieces of a projection left whole, as linears of their own
+    unfused = unfused_analysis(build.captured, analysis, tp, _kept_outputs(build))  # pieces as linears of their own
     if unfused is not None:
         gm, analysis = unfused
     if sp and analysis.seq_len is None:
@@ -193,53 +193,6 @@ def _analyse(gm: fx.GraphModule, build: Build) -> PassResult:
         )
     build.analysis, build.placements = analysis, parameter_placements(analysis, tp)
     return PassResult(gm, unfused is not None)
-
-
-def _unfused(build: Build, analysis: ModelAnalysis) -> tuple[fx.GraphModule, ModelAnalysis] | None:
-    """The captured graph with ``passes.unfuse`` applied to every projection ``analysis`` left whole
-    (no region, not the head) whose output is taken apart, and its analysis, when that splits one
-    of their pieces (the query heads of a multi-query projection column-parallel, its one K/V
-    head whole); None (the graph as it was) when there is none, or it splits none."""
-    captured = build.captured
-    original = captured.gm
-    copied, node_of = fx.Graph(), {}
-    output = original.graph.find_nodes(op="output")[0]
-    copied.output(copied.graph_copy(original.graph, node_of), type_expr=output.type).meta = dict(output.meta)
-    captured.gm = fx.GraphModule(original, copied)
-    try:
-        if _unfuse_whole_projections(build, analysis, node_of):
-            trial = analyze(captured, build.options.tp, _kept_outputs(build))
-            if any(lm.weight_piece is not None and lm.weight_name in trial.read_whole_rows
-                   for r in trial.regions for lm in r.column_linears.values()):
-                return captured.gm, trial
-    except ShardingError:  # a piece's block that tp does not divide: the graph as it was, which analysed
-        pass
-    captured.gm = original
-    return None
-
-
-def _unfuse_whole_projections(build: Build, analysis: ModelAnalysis, node_of: dict[fx.Node, fx.Node]) -> int:
-    """``passes.unfuse`` on ``build.captured.gm`` for every projection ``analysis`` (of the graph
-    whose nodes ``node_of`` maps to it) left whole whose output is taken apart."""
-    captured = build.captured
-    placed = {lm.node for r in analysis.regions for lm in r.rows} | {c for r in analysis.regions for c in r.columns}
-    if analysis.head is not None:
-        placed.add(analysis.head.node)
-    constants = {node: captured.constants[name] for node, name in zip(captured.state_placeholders, captured.state_names)
-                 if name in captured.constants}
-    found = []
-    for node, lm in analysis.linears.items():
-        if node in placed or lm.weight_piece is not None or lm.per_group or lm.bias_piece is not None:
-            continue
-        pieces = projection_pieces(node_of[node], node_of[lm.weight], lm.out_dim, constants)
-        if pieces is not None:
-            found.append(pieces)
-    for pieces in found:
-        unfuse(captured.gm, pieces)
-    if found:
-        captured.gm.graph.lint()
-        captured.gm.recompile()
-    return len(found)
 
 
 def _kept_outputs(build: Build) -> set[fx.Node]:

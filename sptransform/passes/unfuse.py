@@ -28,9 +28,9 @@ filters and one group per channel. A Mamba-2 mixer:
     after:   g = linear(u, W[0:I]); dt = linear(u, W[I+C:])
              x = conv1d(linear(u, W[I:2I]).T, F[0:I], b[0:I], groups=I).T     # B, C_ alike
 
-Matching (``projection_pieces``) is separate from the rewrite (``unfuse``). The driver
-(``transform._unfused``) asks for it only for projections the analysis left whole, on a copy of
-the graph it keeps only when the next analysis splits a piece.
+Matching (``projection_pieces``) is separate from the rewrite (``unfuse``). ``unfused_analysis``
+asks for it only for projections the analysis left whole, on a copy of the graph it keeps only
+when the next analysis splits a piece.
 """
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from sptransform.graph.analysis import analyze
 from sptransform.graph.nodes import forward_closure, packet, shape_of
+from sptransform.graph.rules import ShardingError
 
 aten = torch.ops.aten
 
@@ -356,3 +358,49 @@ def _op(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None, *, lik
     if "stack_trace" in like.meta:
         new.meta["stack_trace"] = like.meta["stack_trace"]
     return new
+
+
+def unfused_analysis(captured, analysis, tp: int, exits=()):
+    """``(graph, analysis)``: the captured graph with ``unfuse`` applied to every projection
+    ``analysis`` left whole (no region, not the head) whose output is taken apart, and its
+    analysis, when that splits one of their pieces (the query heads of a multi-query projection
+    column-parallel, its one K/V head whole); None, ``captured.gm`` as it was, when there is none,
+    it splits none, or the new analysis refuses (a piece's block that tp does not divide)."""
+    original = captured.gm
+    copied, node_of = fx.Graph(), {}
+    output = original.graph.find_nodes(op="output")[0]
+    copied.output(copied.graph_copy(original.graph, node_of), type_expr=output.type).meta = dict(output.meta)
+    captured.gm = fx.GraphModule(original, copied)
+    try:
+        if _unfuse_whole_projections(captured, analysis, node_of):
+            trial = analyze(captured, tp, exits)
+            if any(lm.weight_piece is not None and lm.weight_name in trial.read_whole_rows
+                   for r in trial.regions for lm in r.column_linears.values()):
+                return captured.gm, trial
+    except ShardingError:
+        pass
+    captured.gm = original
+    return None
+
+
+def _unfuse_whole_projections(captured, analysis, node_of: dict[fx.Node, fx.Node]) -> int:
+    """``unfuse`` on ``captured.gm`` for every projection ``analysis`` (of the graph whose nodes
+    ``node_of`` maps to it) left whole whose output is taken apart."""
+    placed = {lm.node for r in analysis.regions for lm in r.rows} | {c for r in analysis.regions for c in r.columns}
+    if analysis.head is not None:
+        placed.add(analysis.head.node)
+    constants = {node: captured.constants[name] for node, name in zip(captured.state_placeholders, captured.state_names)
+                 if name in captured.constants}
+    found = []
+    for node, lm in analysis.linears.items():
+        if node in placed or lm.weight_piece is not None or lm.per_group or lm.bias_piece is not None:
+            continue
+        pieces = projection_pieces(node_of[node], node_of[lm.weight], lm.out_dim, constants)
+        if pieces is not None:
+            found.append(pieces)
+    for pieces in found:
+        unfuse(captured.gm, pieces)
+    if found:
+        captured.gm.graph.lint()
+        captured.gm.recompile()
+    return len(found)

@@ -76,6 +76,19 @@ def _match(gm):
     raise AssertionError("no projection")
 
 
+def _unfused(model, shape):
+    """``model``'s exported graph after ``unfuse`` of its projection, an input, and the value the
+    graph gave before."""
+    torch.manual_seed(0)
+    x = torch.randn(*shape, dtype=torch.float64)
+    gm = _export(model().double(), x)
+    expected = gm(x)
+    unfuse(gm, _match(gm))
+    gm.graph.lint()
+    gm.recompile()
+    return gm, x, expected
+
+
 @pytest.mark.parametrize("model, rows", [
     (FalconLike, [(0, 32), (32, 40), (40, 48)]),
     (BigCodeLike, [(0, 16), (16, 20), (20, 24)]),
@@ -95,14 +108,7 @@ def test_a_projection_not_wholly_taken_apart_is_not_matched(model):
 
 @pytest.mark.parametrize("model", [FalconLike, BigCodeLike])
 def test_unfuse_makes_one_linear_per_piece_on_its_weight_rows_and_keeps_the_value(model):
-    torch.manual_seed(0)
-    module = model().double()
-    x = torch.randn(2, 3, 16, dtype=torch.float64)
-    gm = _export(module, x)
-    expected = gm(x)
-    unfuse(gm, _match(gm))
-    gm.graph.lint()
-    gm.recompile()
+    gm, x, expected = _unfused(model, (2, 3, 16))
     projections = [n for n in gm.graph.nodes if n.target in (aten.linear.default, aten.matmul.default)]
     assert len(projections) == 3
     slices = sorted(tuple(n.args[2:4]) for n in gm.graph.nodes
@@ -144,14 +150,7 @@ def test_pieces_taken_apart_again_after_a_depthwise_convolution_are_found_throug
 
 
 def test_unfuse_replays_the_convolution_on_each_pieces_filters_and_keeps_the_value():
-    torch.manual_seed(0)
-    module = MambaLike().double()
-    x = torch.randn(2, 5, 16, dtype=torch.float64)
-    gm = _export(module, x)
-    expected = gm(x)
-    unfuse(gm, _match(gm))
-    gm.graph.lint()
-    gm.recompile()
+    gm, x, expected = _unfused(MambaLike, (2, 5, 16))
     convs = [n for n in gm.graph.nodes if n.target is aten.conv1d.default]
     assert sorted(n.args[6] for n in convs) == [4, 4, 8]  # one group per channel of each piece
     assert len([n for n in gm.graph.nodes if n.target is aten.linear.default]) == 5
