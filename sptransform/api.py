@@ -139,7 +139,9 @@ def parallelize(
     routers, weights no rule splits: a fused multi-query QKV, data-dependent experts) are stored in
     1/tp pieces and each layer's all-gathered where it starts (``passes.shard_whole``): their
     weights, gradients and optimizer state split, their computation still whole on every rank.
-    ``explain()`` lists them; ``held_share()`` measures what a rank stores.
+    ``explain()`` lists them; ``held_share()`` measures what a rank stores. Parameters split in
+    the graph in segments no DTensor placement holds (a Mamba-2 ``in_proj``) are stored in 1/tp
+    pieces whatever ``shard_whole`` says: gathered where read, their gradient reduce-scattered.
 
     ``dp_loss`` (``dp > 1``): ``"tokens"`` weights each replica's gradient by its count of
     non-ignored targets where the loss is a token mean found on the graph (single-device

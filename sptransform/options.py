@@ -147,7 +147,10 @@ class ParallelOptions:
     no rule splits: a fused multi-query projection, data-dependent experts) stored in 1/tp pieces
     instead, each layer's all-gathered where it starts (``passes.shard_whole``): their weights,
     gradients and optimizer state split over the tp ranks, their computation still whole; one
-    all-gather per layer more in each forward, nothing more in the backward. Needs ``tp > 1``."""
+    all-gather per layer more in each forward, nothing more in the backward. Needs ``tp > 1``.
+    (Parameters split in the graph whose split no DTensor placement holds, a fused weight of
+    unequal segments, are stored so either way: gathered where read, their gradient
+    reduce-scattered, the bytes the all-reduce of their gradient moved otherwise.)"""
     dp_loss: DpLoss = "tokens"
     """With ``dp > 1``, how the replicas' gradients are combined. ``"tokens"``: where the loss
     the model returns is a mean over its non-ignored targets (cross-entropy or NLL with mean

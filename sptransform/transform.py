@@ -464,11 +464,14 @@ def _split_experts(gm: fx.GraphModule, build: Build) -> PassResult:
 
 
 def _shard_whole(gm: fx.GraphModule, build: Build) -> PassResult:
-    """What the tensor-parallel rewrite keeps whole, stored in 1/tp pieces and gathered where a
-    layer reads it (``passes.shard_whole``); the placements record the storage split."""
+    """Parameters split in the graph that no DTensor placement stores split (always), and with
+    ``shard_whole`` what the tensor-parallel rewrite keeps whole: stored in 1/tp pieces and
+    gathered where a layer reads them (``passes.shard_whole``); the placements record the
+    storage split."""
     experts = build.expert_parallel
     found = whole_parameters(build.params, build.placements, build.options.tp,
-                             skip=frozenset(experts.experts) if experts is not None else frozenset())
+                             skip=frozenset(experts.experts) if experts is not None else frozenset(),
+                             computed_whole=build.options.shard_whole)
     for node, dim in found.items():
         name = build.params[node]
         build.placements[name] = stored_split(build.placements.get(name), dim, shape_of(node)[dim])
@@ -508,7 +511,7 @@ PASSES: list[Pass] = [
     Pass("dropout", _dropout, requires=("plan", "sptransform_spec", "val"), enabled=_tensor_parallel),
     Pass("analyse_layers", _analyse_layers, adds=("single_device_analysis",), enabled=_data_parallel_alone),
     Pass("expert_parallel", _split_experts, requires=("val",), adds=("expert_parallel",), enabled=_expert_parallel),
-    Pass("shard_whole", _shard_whole, requires=("plan", "params"), enabled=lambda b: b.options.shard_whole),
+    Pass("shard_whole", _shard_whole, requires=("plan", "params"), enabled=_tensor_parallel),
     Pass("data_parallel", _add_data_parallel, requires=("val",), adds=("data_parallel",), enabled=_data_parallel),
     Pass("token_weighting", lambda gm, b: _changed(gm, _weight_tokens(gm, b)), requires=("val",),
          enabled=_token_weighted),

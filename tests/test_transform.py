@@ -110,7 +110,8 @@ def test_tp2_build_logs_each_pass_op_count_change_at_debug(caplog):
     with caplog.at_level(logging.DEBUG, logger="sptransform.passes"):
         _build(model, inputs, ParallelOptions(tp=2, sp=True))
     logged = [r.getMessage().split(":")[0] for r in caplog.records if r.name == "sptransform.passes"]
-    assert logged == [p.name for p in PASSES if p.name not in ("analyse_layers", "expert_parallel", "shard_whole", "data_parallel", "token_weighting")]  # dp=1
+    # dp=1; shard_whole runs at every tp > 1 (parameters split in segments no DTensor placement holds)
+    assert logged == [p.name for p in PASSES if p.name not in ("analyse_layers", "expert_parallel", "data_parallel", "token_weighting")]
     tensor_parallel = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("tensor_parallel"))
     assert "scatter_seq" in tensor_parallel
 

@@ -3,7 +3,7 @@
 Two questions, each answered from the facts ``graph.analysis.analyze`` already found:
 
 * which rule leaves a parameter whole on every rank (``whole_reasons``: its linear runs whole
-  and is cut inside a block, its linear is neither column- nor row-parallel and what stopped it
+  and is cut inside a block, it runs split per head with its weight shared by the heads, its linear is neither column- nor row-parallel and what stopped it
   each way, it is read in pieces that no split fits, or no linear reads it), kept in
   ``ModelAnalysis.whole_reasons`` for ``explain()`` to name the largest;
 * what ``tp`` fails to divide when a block's walk succeeds at tp=1 but not at the asked tp
@@ -41,6 +41,8 @@ def whole_reasons(captured: CapturedGraph, linears: dict[fx.Node, LinearMatch], 
         split.update(n for n in (head.weight_name, head.bias_name) if n)
     split.update(e.weight_name for e in vocab_embeddings)
     cut = {n: r for r in regions for n, _ in r.cuts if n in linears}
+    per_row = {n: r for r in regions for n in r.specs if n in linears and n not in r.columns
+               and n is not r.row.node and all(n is not m.node for m in r.more_rows)}
     reasons: dict[str, str] = {}
     for name in sorted(kept_whole):
         reasons[name] = next((n.split(": ", 1)[1] for n in notes if n.startswith(f"parameter {name!r}, read in pieces")),
@@ -49,7 +51,11 @@ def whole_reasons(captured: CapturedGraph, linears: dict[fx.Node, LinearMatch], 
         for name in (lm.weight_name, lm.bias_name):
             if not name or name in split or name in reasons:
                 continue
-            if node in cut:
+            if node in per_row:
+                reasons[name] = (f"its linear runs split along a dim it maps row by row (per head) inside the "
+                                 f"{per_row[node].kind} block of {per_row[node].row.weight_name!r}: every piece "
+                                 "reads the whole weight")
+            elif node in cut:
                 reasons[name] = (f"its linear runs whole and its output is cut inside the {cut[node].kind} block of "
                                  f"{cut[node].row.weight_name!r} (fewer heads than tp, or a split the walk cannot carry)")
             elif lm.weight_piece is None:

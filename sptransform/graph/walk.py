@@ -108,9 +108,21 @@ def trace_region(
         if routes(node) or spec.dim in unbacked_dims(node):
             raise ShardingError(f"{describe(node)}: its shape depends on the data (token routing); it runs whole")
         if node in linears and node not in row_nodes:
-            if spec.dim == linears[node].output_dim % len(shape_of(node)):
+            lm = linears[node]
+            if spec.dim == lm.output_dim % len(shape_of(node)):
                 columns[node] = spec
                 specs[node] = spec
+            elif (batch := _batch_dim(lm, spec.dim)) is not None:
+                # Needed split along a dim the linear maps row by row (the heads of a per-head
+                # projection, ``states [b, s, heads, d] @ W [d, r]``): it runs on its input's
+                # rows split alike, its weight whole (its gradient summed over the ranks).
+                try:
+                    check(lm.input, DimShard(batch, spec.segments))
+                except ShardingError:
+                    cuts.append((node, spec))
+                    continue
+                specs[node] = spec
+                pending[lm.input] = DimShard(batch, spec.segments)
             else:
                 cuts.append((node, spec))  # needed split along a token dim: computed whole, cut
             continue
@@ -287,10 +299,12 @@ def non_overlapping_regions(regions: list[Region], failures: dict[fx.Node, Shard
     low-rank gate ``g_b(g_a(x))`` pairs into a block of its own while ``g_b`` also feeds the
     attention whose walk back from its output projection reached it; an attention's output
     projection is also a "column" of the head when the walk back from the head crosses the
-    residual. Blocks are kept greedily, the one with most column linears first (ties: in graph
-    order), those whose walk crossed a norm's statistic outside attention last (a walk from the
-    head crosses every layer's): a block whose row linear is a kept block's column, or whose
-    column is a kept block's row, is dropped (its linears run as the kept block says, or whole),
+    residual; a per-head projection by a matrix all heads share (``states @ bank``, run split
+    along the heads inside an attention block) also pairs with the linear making ``states``.
+    Blocks are kept greedily, the one with most column linears first (ties: in graph order),
+    those whose walk crossed a norm's statistic outside attention last (a walk from the head
+    crosses every layer's): a block whose row linear is a kept block's column, or whose column
+    is a kept block's row or column, is dropped (its linears run as the kept block says, or whole),
     its reason recorded for ``explain()``."""
     kept: set[int] = set()
     rows: set[fx.Node] = set()
@@ -298,7 +312,7 @@ def non_overlapping_regions(regions: list[Region], failures: dict[fx.Node, Shard
     for i in sorted(range(len(regions)), key=lambda i: (regions[i].crossed_statistic, -len(regions[i].columns))):
         region = regions[i]
         its_rows = {lm.node for lm in region.rows}
-        if its_rows & columns or rows & set(region.columns):
+        if its_rows & columns or rows & set(region.columns) or columns & set(region.columns):
             for node in its_rows:
                 failures[node] = ShardingError(
                     f"{describe(node)}: its block shares a linear with a larger block, which takes its split")
@@ -307,3 +321,17 @@ def non_overlapping_regions(regions: list[Region], failures: dict[fx.Node, Shard
         rows |= its_rows
         columns |= set(region.columns)
     return [r for i, r in enumerate(regions) if i in kept]
+
+
+def _batch_dim(lm: LinearMatch, dim: int) -> int | None:
+    """The input dim that output dim ``dim`` of the linear ``lm`` maps row by row, when it is
+    not a token dim: the input and output have one rank, the dim is neither the contracted nor
+    the produced one, its size is the same on both sides, and the input leads with at least two
+    more dims (the tokens: batch and sequence, which stay whole in a region; a split along them
+    is sequence parallelism's, computed whole here and cut)."""
+    out, x = shape_of(lm.node), shape_of(lm.input)
+    if lm.per_group or out is None or x is None or len(out) != len(x) or len(x) < 4:
+        return None
+    if dim in (lm.output_dim % len(out), lm.input_dim % len(x)) or dim < 2 or out[dim] != x[dim]:
+        return None
+    return dim

@@ -20,6 +20,25 @@ them stays as the tensor-parallel rewrite made it (whole on every rank).
 The gather sits between the parameter and everything the rewrite put after it, so the gradient
 reaching its backward is whole and equal on every rank (the rewrite's reductions ran first):
 the backward keeps this rank's piece and communicates nothing (``runtime.zero.gather_whole``).
+
+A parameter split in the graph in segments no DTensor placement holds
+(``ParamPlacement.stored_whole``: a fused weight of unequal segments) is stored so whatever the
+option says (``whole_parameters(computed_whole=False)``: the pass runs whenever ``tp > 1``). It
+is read through ``copy_to_tp``, whose backward all-reduces the
+gradient pieces the ranks computed; all-reducing, then keeping a piece, is a reduce-scatter.
+Such parameters are gathered by ``runtime.zero.gather_summed`` (backward: the gradient
+reduce-scattered, summed), and their ``copy_to_tp`` removed: the all-gather forward and the
+reduce-scatter backward move the bytes the all-reduce alone moved, and each rank stores 1/tp.
+Rows such a parameter also gives whole to every rank (a Mamba-2 mixer's one B/C group) have a
+gradient equal on every rank, which the sum would count ``tp`` times: those readers read it
+through ``counted_once`` (backward: divided by tp):
+
+    before:  w = placeholder                     # whole on every rank
+             wc = copy_to_tp(w, tp)              # backward: all-reduce
+             y = linear(x, take_local(wc, ...))
+    after:   w = placeholder                     # this rank's piece
+             wf = gather_summed(tp, n, [d], [shape], w)[0]              # backward: reduce-scatter
+             y = linear(x, take_local(wf, ...))
 Runs after the tensor-parallel rewrite and expert parallelism (expert tensors are split over
 ``ep`` already), before data parallelism, whose buckets then sit in front of these gathers
 (a ZeRO piece of a tp piece). Edits ``gm`` in place.
@@ -34,14 +53,16 @@ import torch.fx as fx
 from sptransform.graph.placement import ParamPlacement, whole
 from sptransform.passes.base import insert_bucket
 from sptransform.passes.data_parallel import by_layer, zero_dim
-from sptransform.runtime.zero import gather_whole
+from sptransform.runtime.collectives import copy_to_tp
+from sptransform.runtime.zero import counted_once, gather_summed, gather_whole
 
 
 def whole_parameters(params: dict[fx.Node, str], placements: dict[str, ParamPlacement], tp: int,
-                     skip: frozenset[str] = frozenset()) -> dict[fx.Node, int]:
+                     skip: frozenset[str] = frozenset(), computed_whole: bool = True) -> dict[fx.Node, int]:
     """The trainable parameters the rewrite stores whole on every rank (no placement, or split in
-    the graph but stored whole) and a dim of theirs that ``tp`` divides (the largest: the pieces
-    are then the longest runs); ``skip``: names split another way (experts over ``ep``). A
+    the graph but stored whole; only the latter without ``computed_whole``) and a dim of theirs
+    that ``tp`` divides (the largest: the pieces are then the longest runs); ``skip``: names
+    split another way (experts over ``ep``). A
     parameter with no such dim stays whole, and so does one this graph does not read: a tied
     weight's other name (the module stores a tied parameter as planned under the name the graph
     reads)."""
@@ -52,6 +73,8 @@ def whole_parameters(params: dict[fx.Node, str], placements: dict[str, ParamPlac
         if name in skip or val is None or not val.requires_grad or not node.users:
             continue
         if placement is not None and placement.storage is not None:
+            continue
+        if not computed_whole and (placement is None or not placement.stored_whole):
             continue
         dim = zero_dim(tuple(val.shape), (), tp)
         if dim is not None and val.shape[dim] >= tp:  # tp divides an empty dim too: nothing to split
@@ -75,14 +98,53 @@ def shard_whole(gm: fx.GraphModule, found: dict[fx.Node, int], *, group: str, tp
         buckets[layer].append(param)
     for _, members in sorted(buckets.items()):
         first_user = min((u for p in members for u in p.users), key=position.__getitem__)
-        readers = {p: list(p.users) for p in members}
-        shapes = [list(p.meta["val"].shape) for p in members]
+        summed = [p for p in members if _entered_only(p)]
+        kept = [p for p in members if p not in summed]
         with gm.graph.inserting_before(first_user):
-            insert_bucket(gm, gather_whole, (group, tp, [found[p] for p in members], shapes, rank, *members), {},
-                          members, readers)
+            if kept:
+                insert_bucket(gm, gather_whole, (group, tp, [found[p] for p in kept], _shapes(kept), rank, *kept), {},
+                              kept, {p: list(p.users) for p in kept})
+            if summed:
+                readers = {p: _summed_readers(gm, p, tp) for p in summed}
+                insert_bucket(gm, gather_summed, (group, tp, [found[p] for p in summed], _shapes(summed), *summed),
+                              {}, summed, readers)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _shapes(members: list[fx.Node]) -> list[list[int]]:
+    return [list(p.meta["val"].shape) for p in members]
+
+
+def _entered(node: fx.Node, param: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is copy_to_tp and node.args[0] is param
+
+
+def _entered_only(param: fx.Node) -> bool:
+    """Read by ``copy_to_tp`` (a parameter split in the graph, stored whole): the sum its
+    backward makes is the gather's reduce-scatter."""
+    return any(_entered(u, param) for u in param.users)
+
+
+def _summed_readers(gm: fx.GraphModule, param: fx.Node, tp: int) -> list[fx.Node]:
+    """``param``'s ``copy_to_tp`` readers removed (their readers read ``param``), its other
+    readers (rows read whole, whose gradient is equal on every rank) put behind one
+    ``counted_once``: the nodes that then read ``param``, for ``insert_bucket``."""
+    readers = []
+    others = [u for u in param.users if not _entered(u, param)]
+    for c in [u for u in param.users if _entered(u, param)]:
+        readers.extend(c.users)
+        c.replace_all_uses_with(param)
+        gm.graph.erase_node(c)
+    if others:
+        with gm.graph.inserting_before(min(others, key=lambda n: list(gm.graph.nodes).index(n))):
+            once = gm.graph.call_function(counted_once, (param, tp))
+        once.meta["val"] = param.meta.get("val")
+        for u in others:
+            u.replace_input_with(param, once)
+        readers.append(once)
+    return readers
 
 
 def stored_split(placement: ParamPlacement | None, dim: int, size: int) -> ParamPlacement:

@@ -10,7 +10,7 @@ from sptransform.graph.placement import describe_placement
 from sptransform.runtime.collectives import copy_to_tp, gather_output, gather_seq, reduce_from_tp, scatter_seq, sync_grads
 from sptransform.runtime.ops import vocab_parallel_cross_entropy
 from sptransform.torch_internals import free_unbacked_symbols
-from sptransform.runtime.zero import gather_whole
+from sptransform.runtime.zero import gather_summed, gather_whole
 
 # A constant table (never written at run time), read by explain().
 COLLECTIVE_DIRECTIONS: dict = {
@@ -23,6 +23,8 @@ COLLECTIVE_DIRECTIONS: dict = {
     sync_grads: ((), ("all-reduce",)),
     # parameters stored in 1/tp pieces (shard_whole): gathered; the backward keeps its piece
     gather_whole: (("all-gather",), ()),
+    # parameters split in the graph, stored in 1/tp pieces: gathered; their partial gradient summed
+    gather_summed: (("all-gather",), ("reduce-scatter",)),
     # row max, sum of exponentials, target logit: three small all-reduces over [tokens]
     vocab_parallel_cross_entropy: (("all-reduce",) * 3, ()),
 }
@@ -40,8 +42,9 @@ def collective_bytes(node: torch.fx.Node, tp: int) -> int:
         return int(logits.numel() // logits.shape[-1] * logits.element_size())
     if node.target is sync_grads:
         return sum(a.meta["val"].numel() * a.meta["val"].element_size() for a in node.args[1:])
-    if node.target is gather_whole:  # its pieces' placeholders carry the whole parameters' shapes
-        return sum(a.meta["val"].numel() * a.meta["val"].element_size() for a in node.args[5:])
+    if node.target in (gather_whole, gather_summed):  # its pieces' placeholders carry the whole parameters' shapes
+        first = 5 if node.target is gather_whole else 4
+        return sum(a.meta["val"].numel() * a.meta["val"].element_size() for a in node.args[first:])
     val = node.meta.get("val")
     if val is None:
         val = node.args[0].meta.get("val")
@@ -75,7 +78,13 @@ def largest_whole(analysis, plan, count: int = 8) -> list[str]:
               if name in plan.placements and plan.placements[name].gathered is not None}
     whole = {name: size for name, size in analysis.param_bytes.items()  # stored whole, split in the graph or not
              if name not in pieces and (name not in plan.placements or plan.placements[name].storage is None)}
+    split_pieces = {name: size for name, size in analysis.param_bytes.items() if name in plan.placements
+                    and plan.placements[name].stored_whole and plan.placements[name].gathered is not None}
     lines = []
+    if total and split_pieces:
+        lines.append(f"split in the graph and stored in 1/tp pieces, gathered where read (no DTensor placement holds "
+                     f"their segments): {len(split_pieces)} parameters, {sum(split_pieces.values()) / total:.1%} of "
+                     "the parameter bytes")
     if total and pieces:
         lines.append(f"computed whole but stored in 1/tp pieces (shard_whole=True), gathered where read: "
                      f"{len(pieces)} parameters, {sum(pieces.values()) / total:.1%} of the parameter bytes")

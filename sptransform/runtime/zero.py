@@ -130,6 +130,14 @@ def gather_params(group: str, size: int, dims: list[int], shapes: list[list[int]
                                size if divisor is None else divisor, *pieces)
 
 
+def gather_summed(group: str, size: int, dims: list[int], shapes: list[list[int]], *pieces: torch.Tensor):
+    """Parameters split in the graph but stored in 1/``size`` pieces (``passes.shard_whole``):
+    all-gathered where a layer reads them, their gradient, partial on each rank, summed over the
+    group and reduce-scattered back (``gather_params`` summing, its own op so that ``explain()``
+    tells it from ZeRO's)."""
+    return _GatherParams.apply(group, size, tuple(dims), tuple(tuple(s) for s in shapes), False, False, 1, *pieces)
+
+
 class _GatherWhole(torch.autograd.Function):
     """``gather_whole``: the forward as ``_GatherParams``'s; the backward cuts this rank's piece
     out of a gradient that arrives whole and equal on every rank of the group, with no collective."""
@@ -162,6 +170,24 @@ def gather_whole(group: str, size: int, dims: list[int], shapes: list[list[int]]
     tensor-parallel pass has already summed any partial one: its ``sync_grads`` reads the
     gathered parameter), so the backward keeps rank ``rank``'s piece of it, communicating nothing."""
     return _GatherWhole.apply(group, size, tuple(dims), tuple(tuple(s) for s in shapes), rank, *pieces)
+
+
+class _CountedOnce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, size):
+        ctx.size = size
+        return x.view_as(x)  # a view: ``Regather`` finds the gathered parameter through it
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / ctx.size, None
+
+
+def counted_once(x: torch.Tensor, size: int) -> torch.Tensor:
+    """Identity forward; backward divides the gradient by ``size``. For a reader of a gathered
+    parameter whose gradient is equal on every rank, in front of a backward that sums over the
+    ``size`` ranks (``gather_summed``): counted once in that sum."""
+    return _CountedOnce.apply(x, size)
 
 
 _REGATHER = object()  # a constant marker: what ``Regather.pack`` stores for a gathered parameter

@@ -246,3 +246,25 @@ def test_einsum_with_a_parameter_is_a_linear_split_along_its_outermost_feature_l
     assert (wo.out_dim, wo.weight_in_dim, wo.input_dim, wo.output_dim) == (2, 0, 1, 2)
     (region,) = analysis.regions
     assert region.row is wo and set(region.columns) == {wq.node}
+
+
+def test_a_per_head_projection_by_a_matrix_every_head_shares_runs_split_along_the_heads():
+    """The zoo's ``token_taps`` attention: ``states [b, t, heads, d_rel] @ bank [d_rel, extent]``
+    (a relative bias shared by the heads) is a linear the walk from the output projection needs
+    split along the heads, a dim it maps row by row: it runs on each rank's heads with the bank
+    whole, so the linear making ``states`` is a column of the attention block (before, the walk
+    stopped there and the block's other linears ran whole too). The keys' and values' token-tap
+    convolutions (``unfold`` + ``flip`` windows along time) keep the heads split. The bank's own
+    block (``states`` as its column) shares that column and is dropped."""
+    from models import zoo
+
+    model, inputs = zoo.build("token_taps")
+    analysis = _analyze(model, inputs)
+    attention = [r for r in analysis.regions if r.kind == "attention"]
+    assert len(attention) == 2
+    columns = {attention[0].column_linears[c].weight_name for c in attention[0].columns}
+    assert columns == {f"attn.0.{n}.weight" for n in ("q", "k", "v", "rel", "gate", "k_conv.taps", "v_conv.taps")}
+    assert attention[0].row.weight_name == "attn.0.proj.weight"
+    bank = [n for n in attention[0].specs if n in analysis.linears and analysis.linears[n].weight_name == "attn.0.bank"]
+    assert len(bank) == 1 and bank[0] not in attention[0].columns
+    assert "attn.0.bank" in analysis.whole_reasons and "per head" in analysis.whole_reasons["attn.0.bank"]

@@ -402,6 +402,41 @@ def test_padding_keeps_a_split_of_a_dim_it_does_not_pad():
     assert _backward(pad, whole(1, 8)) == {x: whole(1, 8)}
 
 
+def test_unfold_keeps_a_split_of_the_dims_it_does_not_window_and_runs_split_on_each_piece():
+    """Windows along time (a short convolution's taps, ``x.unfold(-1, k, 1)``): the channels keep
+    their split, the windowed dim and the new window dim may not be split; each rank's piece
+    unfolded is the piece of the whole's unfold."""
+    x0 = torch.randn(2, 8, 6)
+    gm = _graph(lambda x: aten.unfold.default(x, -1, 3, 1), x0)
+    (x,), unfold = _inputs(gm), _op(gm, aten.unfold)
+    assert _forward(unfold, {x: whole(1, 8)}).output == whole(1, 8)
+    assert _forward(unfold, {x: whole(2, 6)}).output == REPLICATED
+    assert _backward(unfold, whole(1, 8)) == {x: whole(1, 8)}
+    for dim in (2, 3):
+        try:
+            _backward(unfold, DimShard(dim, ((0, unfold.meta["val"].shape[dim]),)))
+            raise AssertionError(f"dim {dim} of the windows was split")
+        except ShardingError:
+            pass
+    assert RULES[aten.unfold].moves_data_only  # a partial sum's windows are the windows' partial sum
+    whole_out = x0.unfold(-1, 3, 1)
+    for piece, out in zip(x0.chunk(2, 1), whole_out.chunk(2, 1)):
+        assert torch.equal(piece.unfold(-1, 3, 1), out)
+
+
+def test_flip_keeps_a_split_of_the_dims_it_does_not_flip():
+    gm = _graph(lambda x: aten.flip.default(x, [-1]), torch.randn(2, 8, 6))
+    (x,), flip = _inputs(gm), _op(gm, aten.flip)
+    assert _forward(flip, {x: whole(1, 8)}).output == whole(1, 8)
+    assert _forward(flip, {x: whole(2, 6)}).output == REPLICATED
+    assert _backward(flip, whole(0, 2)) == {x: whole(0, 2)}
+    try:
+        _backward(flip, whole(2, 6))
+        raise AssertionError("the flipped dim was split")
+    except ShardingError:
+        pass
+
+
 # ---------------------------------------------------------------------------
 # attention, embedding
 
@@ -498,6 +533,10 @@ def _case(kind: str, sizes: list[int], bias: bool):
     if kind == "scatter":
         return _graph(lambda x, i: aten.scatter.value(x, 2, i, 1.0), torch.zeros(a, b, c),
                       torch.randint(0, c, (a, b, c))), aten.scatter
+    if kind == "unfold":
+        return _graph(lambda x: aten.unfold.default(x, 2, 2, 1), torch.randn(a, b, c)), aten.unfold
+    if kind == "flip":
+        return _graph(lambda x: aten.flip.default(x, [0, 2]), torch.randn(a, b, c)), aten.flip
     if kind == "grouped_conv":  # b channels in b // 2 groups
         return _graph(lambda x, w: aten.conv1d.default(x, w, None, [1], [1], [1], b // 2), torch.randn(a, b, c),
                       torch.randn(b, 2, 3)), aten.conv1d
@@ -507,7 +546,7 @@ def _case(kind: str, sizes: list[int], bias: bool):
 @settings(derandomize=True, max_examples=60, deadline=None)
 @given(
     kind=st.sampled_from(["view", "add", "permute", "linear", "sum", "sdpa", "embedding", "index", "cumsum", "topk",
-                          "pad", "cat", "scatter", "grouped_conv"]),
+                          "pad", "cat", "scatter", "grouped_conv", "unfold", "flip"]),
     sizes=st.lists(st.sampled_from([2, 4, 6]), min_size=3, max_size=3),
     bias=st.booleans(),
     dim=st.integers(0, 3),
@@ -530,5 +569,5 @@ def test_the_backward_answer_pushed_forward_gives_back_the_output_split(kind, si
     decision = _forward(node, placements, constant=constant)
     output = decision.output[0] if isinstance(decision.output, tuple) else decision.output  # topk: values
     assert output == spec, (kind, sizes, dim, wanted)
-    if kind in ("topk", "pad", "cat"):  # and each rank's pieces compute its part of the whole
+    if kind in ("topk", "pad", "cat", "unfold", "flip"):  # and each rank's pieces compute its part of the whole
         assert check_by_running(node, decision, 2) == (True, None), (kind, sizes, dim)

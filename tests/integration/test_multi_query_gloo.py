@@ -54,16 +54,17 @@ def test_fused_multi_query_projection_is_split_and_stored_in_segments_on_simulat
     assert dense.placements[0] == StridedShard(1, split_factor=2), dense.placements
 
 
-def test_where_segments_would_cut_a_head_the_fused_weight_stays_whole_and_equal():
+def test_where_segments_would_cut_a_head_the_fused_weight_is_stored_in_pieces_and_gathered():
     """At tp=4 a rank's part of a 16-row segment is half a head: stored in segments, the heads would
-    be cut, so the propagation finds more to move and the weight is stored whole (cut in the graph)
-    as before; still equal."""
+    be cut, so the propagation finds more to move and strided storage is not taken. The weight,
+    still split in the graph, is stored in 1/tp contiguous pieces, all-gathered where the layer
+    reads it, its gradient reduce-scattered (``passes.shard_whole``); still equal."""
     import sptransform
 
     model, batch, _ = model_for("fused_multi_query")
     report = sptransform.verify(model, tp=4, sp=False, example_inputs=batch, processes=False, rtol=1e-9)
     assert report.status == "equal", report
-    assert {r.name: r.placement for r in report.rows if r.kind == "grad"}["qkv.0.weight"] == "Replicate()", report
+    assert {r.name: r.placement for r in report.rows if r.kind == "grad"}["qkv.0.weight"] == "Shard(0)", report
 
 
 class _FusedMQA(torch.nn.Module):

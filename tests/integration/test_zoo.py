@@ -99,6 +99,7 @@ EXPECTED: dict[str, tuple] = {
     "conv_qk": (EQUAL, EQUAL),
     "qk_norm_written": (EQUAL, EQUAL),
     "ssd_mixer": (EQUAL, EQUAL),
+    "token_taps": (EQUAL, EQUAL),
     "einsum_attention": (EQUAL, EQUAL),
     "matmul_masked_softmax": (EQUAL, EQUAL),
     "gptj_interleaved_rotary": (EQUAL, EQUAL),

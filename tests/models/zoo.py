@@ -1767,6 +1767,63 @@ class SSDMixerLM(nn.Module):
         return _loss_or_logits(self.lm_head(self.norm_f(x)), targets)
 
 
+# 35. keys and values through a short causal convolution whose taps depend on the token: static
+#     per-channel taps plus per-head taps projected from the layer input, applied to windows made
+#     by unfold + flip along time; a relative position bias from per-head states mixed through one
+#     [d_rel, extent] bank shared by every head and gathered by distance; a sigmoid-gated output
+
+
+class TokenTapConv(nn.Module):
+    def __init__(self, d=HIDDEN, n_head=HEADS, kernel=3):
+        super().__init__()
+        self.n_head, self.kernel = n_head, kernel
+        self.static = nn.Parameter(torch.randn(kernel, d) * 0.3)
+        self.taps = nn.Linear(d, n_head * kernel, bias=False)
+
+    def forward(self, x, source):
+        b, t, c = x.shape
+        taps = self.taps(source).view(b, t, self.n_head, 1, self.kernel)
+        taps = taps + self.static.T.reshape(self.n_head, c // self.n_head, self.kernel)
+        past = F.pad(x.transpose(1, 2), (self.kernel - 1, 0))                   # [b, c, t + k - 1]
+        windows = past.unfold(-1, self.kernel, 1).flip(-1)                      # [b, c, t, k]: lag 0 first
+        windows = windows.transpose(1, 2).reshape(b, t, self.n_head, -1, self.kernel)
+        return x + (windows * taps).sum(-1).reshape(b, t, c)
+
+
+class TokenTapAttention(nn.Module):
+    def __init__(self, d=HIDDEN, n_head=HEADS, d_rel=8, extent=6):
+        super().__init__()
+        self.n_head, self.extent = n_head, extent
+        self.q, self.k, self.v = (nn.Linear(d, d, bias=False) for _ in range(3))
+        self.k_conv, self.v_conv = TokenTapConv(d, n_head), TokenTapConv(d, n_head)
+        self.rel = nn.Linear(d, n_head * d_rel, bias=False)
+        self.bank = nn.Parameter(torch.randn(d_rel, extent) * 0.2)
+        self.gate = nn.Linear(d, d, bias=False)
+        self.proj = nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q = self.q(x).view(b, t, self.n_head, -1).transpose(1, 2)
+        k = self.k_conv(self.k(x), x).view(b, t, self.n_head, -1).transpose(1, 2)
+        v = self.v_conv(self.v(x), x).view(b, t, self.n_head, -1).transpose(1, 2)
+        states = self.rel(x).view(b, t, self.n_head, -1)
+        profile = (states @ self.bank).transpose(1, 2)                          # [b, heads, t, extent]
+        pos = torch.arange(t, device=x.device)
+        distance = pos[:, None] - pos[None, :]
+        index = distance.clamp(0, self.extent - 1).expand(b, self.n_head, t, t)
+        bias = profile.gather(-1, index).masked_fill(distance >= self.extent, 0.0)
+        bias = bias.masked_fill(distance < 0, float("-inf"))
+        att = torch.softmax(q @ k.mT / math.sqrt(q.size(-1)) + bias, dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, d)
+        return self.proj(y * torch.sigmoid(self.gate(x)))
+
+
+class TokenTapLM(TopKMaskLM):
+    def __init__(self, vocab=128, d=HIDDEN, n_layer=LAYERS):
+        super().__init__(vocab, d, n_layer)
+        self.attn = nn.ModuleList(TokenTapAttention(d) for _ in range(n_layer))
+
+
 @dataclass(frozen=True)
 class Entry:
     build: Callable[[], nn.Module]
@@ -1867,6 +1924,9 @@ ZOO: dict[str, Entry] = {
     "inplace_result": Entry(InPlaceResultLM, "in-place mul_, triu_, masked_fill_ read through their own results"),
     "ssd_mixer": Entry(SSDMixerLM, "Mamba-2 mixer, quadratic form: one in_proj split [gate | conv(x B C) | dt], "
                        "depthwise causal conv, one B/C group for all heads, gated RMSNorm over all channels"),
+    "token_taps": Entry(TokenTapLM, "keys and values convolved over time with per-token taps (unfold + flip "
+                        "windows, taps from a linear per head), relative bias from per-head states times one "
+                        "shared bank gathered by distance, sigmoid-gated output"),
 }
 
 

@@ -186,6 +186,25 @@ def pad_links(node: fx.Node) -> tuple[Links, set[int]]:
     return [(x, {d: d for d in range(n) if d not in padded})], padded
 
 
+def unfold_links(node: fx.Node) -> tuple[Links, set[int]]:
+    """``unfold(x, dim, size, step)``: windows of ``size`` along ``dim``, laid along a new last
+    dim. A window reads neighbours along ``dim`` (not split) and is the new dim (not split);
+    every other dim links one to one (a short convolution's channels, unfolded along time)."""
+    x = node.args[0]
+    n = len(shape_of(x))
+    d = norm_dim(node.args[1], n)
+    return [(x, {o: o for o in range(n) if o != d})], {d, n}
+
+
+def flip_links(node: fx.Node) -> tuple[Links, set[int]]:
+    """``flip(x, dims)``: the flipped dims are not split (a piece would hold the other end's
+    elements); every other dim links one to one."""
+    x = node.args[0]
+    n = len(shape_of(x))
+    flipped = {norm_dim(d, n) for d in node.args[1]}
+    return [(x, {o: o for o in range(n) if o not in flipped})], flipped
+
+
 def index_select_links(node: fx.Node) -> tuple[Links, set[int]]:
     n = len(shape_of(node))
     return [(node.args[0], {o: o for o in range(n)})], {norm_dim(node.args[1], n)}

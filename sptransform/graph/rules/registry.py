@@ -62,7 +62,7 @@ from sptransform.graph.rules.forward import (
 )
 from sptransform.graph.rules.geometry import SPLIT_PACKETS, VIEWS
 from sptransform.graph.rules.links import (
-    ALONG_DIM, SCATTERS, along_dim_links, pad_links, scatter_links,
+    ALONG_DIM, SCATTERS, along_dim_links, flip_links, pad_links, scatter_links, unfold_links,
     POINTWISE as POINTWISE_PACKETS, REDUCING_OVERLOADS, REDUCTIONS, addmm_links, grouped_mm_links, reduction_links,
     CONVOLUTIONS, TRIANGLES, cat_links, conv_aligned, conv_links, einsum_links, embedding_links, triangle_links,
     expand_links, index_add_links, index_links, index_select_links, linear_links, matmul_links, norm_links,
@@ -147,6 +147,8 @@ RULES: dict[object, OpRule] = {
     **{p: OpRule(along_dim_links, _along_dim_forward, linked_backward) for p in ALONG_DIM},
     **{p: OpRule(pad_links, linked_forward, linked_backward) for p in (aten.constant_pad_nd, aten.pad)},
     **{p: OpRule(scatter_links, linked_forward, linked_backward) for p in SCATTERS},
+    aten.unfold: OpRule(unfold_links, linked_forward, linked_backward, moves_data_only=True),
+    aten.flip: OpRule(flip_links, linked_forward, linked_backward, moves_data_only=True),
     aten.index_add: OpRule(index_add_links, linked_forward, linked_backward),
     aten.index: OpRule(index_links, linked_forward, linked_backward),
     **{p: OpRule(conv_links, _conv_forward, _conv_backward) for p in CONVOLUTIONS},
