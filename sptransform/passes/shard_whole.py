@@ -98,16 +98,21 @@ def shard_whole(gm: fx.GraphModule, found: dict[fx.Node, int], *, group: str, tp
         buckets[layer].append(param)
     for _, members in sorted(buckets.items()):
         first_user = min((u for p in members for u in p.users), key=position.__getitem__)
-        summed = [p for p in members if _entered_only(p)]
+        summed = [p for p in members if _split_in_graph(p)]
         kept = [p for p in members if p not in summed]
         with gm.graph.inserting_before(first_user):
             if kept:
                 insert_bucket(gm, gather_whole, (group, tp, [found[p] for p in kept], _shapes(kept), rank, *kept), {},
                               kept, {p: list(p.users) for p in kept})
             if summed:
-                readers = {p: _summed_readers(gm, p, tp) for p in summed}
+                readers = {p: _summed_readers(gm, p, tp, position) for p in summed}
                 insert_bucket(gm, gather_summed, (group, tp, [found[p] for p in summed], _shapes(summed), *summed),
                               {}, summed, readers)
+                for p in summed:  # the copy_to_tp now read the gathered value: their sum is the gather's
+                    for c in readers[p]:
+                        if c.target is copy_to_tp:
+                            c.replace_all_uses_with(c.args[0])
+                            gm.graph.erase_node(c)
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -121,24 +126,20 @@ def _entered(node: fx.Node, param: fx.Node) -> bool:
     return node.op == "call_function" and node.target is copy_to_tp and node.args[0] is param
 
 
-def _entered_only(param: fx.Node) -> bool:
+def _split_in_graph(param: fx.Node) -> bool:
     """Read by ``copy_to_tp`` (a parameter split in the graph, stored whole): the sum its
     backward makes is the gather's reduce-scatter."""
     return any(_entered(u, param) for u in param.users)
 
 
-def _summed_readers(gm: fx.GraphModule, param: fx.Node, tp: int) -> list[fx.Node]:
-    """``param``'s ``copy_to_tp`` readers removed (their readers read ``param``), its other
-    readers (rows read whole, whose gradient is equal on every rank) put behind one
-    ``counted_once``: the nodes that then read ``param``, for ``insert_bucket``."""
-    readers = []
+def _summed_readers(gm: fx.GraphModule, param: fx.Node, tp: int, position: dict[fx.Node, int]) -> list[fx.Node]:
+    """The nodes that will read the gathered ``param``, for ``insert_bucket``: its ``copy_to_tp``
+    (removed after), and one ``counted_once`` put in front of its other readers (rows read whole,
+    whose gradient is equal on every rank)."""
+    readers = [u for u in param.users if _entered(u, param)]
     others = [u for u in param.users if not _entered(u, param)]
-    for c in [u for u in param.users if _entered(u, param)]:
-        readers.extend(c.users)
-        c.replace_all_uses_with(param)
-        gm.graph.erase_node(c)
     if others:
-        with gm.graph.inserting_before(min(others, key=lambda n: list(gm.graph.nodes).index(n))):
+        with gm.graph.inserting_before(min(others, key=position.__getitem__)):
             once = gm.graph.call_function(counted_once, (param, tp))
         once.meta["val"] = param.meta.get("val")
         for u in others:

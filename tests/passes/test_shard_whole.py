@@ -75,6 +75,60 @@ def _gather_nodes(pm) -> list[fx.Node]:
     return [n for n in pm._last.gm.graph.nodes if n.target is gather_whole]
 
 
+def test_without_the_option_only_what_is_split_in_the_graph_is_taken():
+    params = _placeholders(norm=((64,), True), stored_whole=((96, 64), True))
+    placements = {"stored_whole": ParamPlacement(whole(0, 96), "column", stored_whole=True)}
+    found = {params[n]: d for n, d in whole_parameters(params, placements, 2, computed_whole=False).items()}
+    assert found == {"stored_whole": 0}, found
+
+
+def test_a_weight_split_in_the_graph_is_gathered_summing_its_gradient_and_its_whole_rows_count_once():
+    """``gather_summed`` in front of the reads of a parameter cut in the graph: its ``copy_to_tp``
+    (all-reduce backward) removed, the rows read whole behind one ``counted_once``."""
+    from sptransform.passes.shard_whole import shard_whole
+    from sptransform.runtime.collectives import copy_to_tp
+    from sptransform.runtime.zero import counted_once, gather_summed
+
+    graph = fx.Graph()
+    w = graph.placeholder("w")
+    w.meta["val"] = torch.empty(6, 4, requires_grad=True)
+    rank = graph.placeholder("rank")
+    entered = graph.call_function(copy_to_tp, (w, "tp"))
+    split = graph.call_function(torch.ops.aten.slice.Tensor, (entered, 0, 0, 2))
+    read_whole = graph.call_function(torch.ops.aten.slice.Tensor, (w, 0, 4, 6))
+    graph.output((split, read_whole))
+    gm = shard_whole(fx.GraphModule(torch.nn.Module(), graph), {w: 0}, group="tp", tp=2, rank=rank, layer_rows=[])
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert copy_to_tp not in targets and gather_whole not in targets, targets
+    (gather,) = [n for n in gm.graph.nodes if n.target is gather_summed]
+    (once,) = [n for n in gm.graph.nodes if n.target is counted_once]
+    (piece,) = gather.users
+    assert piece.target is operator.getitem and set(piece.users) == {split, once}
+    assert read_whole.args[0] is once and split.args[0] is piece
+
+
+def test_counted_once_and_gather_summed_give_one_device_gradients_on_simulated_ranks():
+    """Rank k holds rows [3k, 3k + 3) of w [6, 4]; rows [0, 2) are read split (each rank's part of
+    a column-parallel read: a partial gradient), rows [4, 6) read whole (equal on both ranks): the
+    pieces' gradients are one device's."""
+    from sptransform.runtime.zero import counted_once, gather_summed
+
+    full = torch.randn(6, 4, dtype=torch.float64)
+    up = torch.randn(6, 4, dtype=torch.float64)
+    with simulated_ranks(2) as mode:
+        import torch.distributed as dist
+
+        pieces = mode.rank_map(lambda r: full[3 * r: 3 * r + 3].clone()).requires_grad_()
+        (w,) = gather_summed(dist.group.WORLD.group_name, 2, [0], [[6, 4]], pieces)
+        mine = mode.rank_map(lambda r: torch.tensor([[float(r == 0)], [float(r == 1)]], dtype=torch.float64))
+        loss = (w[0:2] * mine * up[0:2]).sum() + (counted_once(w, 2)[4:6] * up[4:6]).sum()
+        loss.backward()
+        grads = {r: pieces.grad._local_tensors[r] for r in range(2)}
+    expected = torch.zeros(6, 4, dtype=torch.float64)
+    expected[0:2], expected[4:6] = up[0:2], up[4:6]
+    assert torch.equal(torch.cat([grads[0], grads[1]]), expected)
+
+
 def test_falcon_stores_its_fused_multi_query_qkv_and_its_norms_in_pieces_and_trains_like_one_device_on_simulated_ranks():
     import sptransform
 
