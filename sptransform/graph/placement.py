@@ -96,9 +96,11 @@ class ParamPlacement:
     role: str
     padded_rows: int | None = None
     stored_whole: bool = False
-    """Split in the graph but stored whole on every rank, because DTensor has no placement for
-    the split (a fused weight of unequal segments): the graph cuts the local part, and the
-    parameter's gradient is summed over the group."""
+    """Split in the graph in a way DTensor has no placement for (a fused weight of unequal
+    segments): the graph cuts the local part from the whole, and the parameter's gradient is
+    summed over the group. ``passes.shard_whole`` then stores it in 1/tp pieces (``gathered``),
+    all-gathered where read, the sum a reduce-scatter; it stays whole on every rank only where
+    tp divides none of its dims."""
     gathered: DimShard | None = None
     """Read whole in the graph (``spec`` None, or ``stored_whole``) but stored split this way,
     all-gathered where a layer reads it (``passes.shard_whole``)."""

@@ -3,14 +3,15 @@
 A multi-query projection ``W = [q heads | k | v]`` (``passes.unfuse``) has its query rows split
 by heads and its K/V rows read whole: in the graph each rank needs its query heads and all of
 K/V. DTensor stores a tensor in one placement, and no placement holds "rows [0, 64) split, rows
-[64, 80) whole", so such a parameter is stored whole (``ParamPlacement.stored_whole``) and every
-rank holds all of it.
+[64, 80) whole", so such a parameter is cut from the whole in the graph
+(``ParamPlacement.stored_whole``), stored in contiguous pieces and all-gathered whole where read
+(``passes.shard_whole``): every rank stores 1/tp of it, but gathers all of it each step.
 
 It can be stored split instead, in ``k`` equal segments each split over the ranks
 (``_StridedShard``), when the region reading it is split in finer segments to match:
 
     W [80, D], q = W[0:64] (8 heads of 8), K/V = W[64:80], tp = 2
-    stored whole:   each rank holds W;                 q split as one segment (heads 0-3 | 4-7)
+    cut from whole: W gathered whole on each rank;     q split as one segment (heads 0-3 | 4-7)
     stored strided: 5 segments of 16, rank r holds rows 8r..8r+8 of each (40 rows);
                     q split as 4 segments of 16 (rank 0: heads 0, 2, 4, 6), the row-parallel
                     linear reading the heads' output split alike; K/V = all-gather of the ranks'
