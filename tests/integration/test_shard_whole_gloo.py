@@ -39,6 +39,13 @@ def _model(family: str, layers: int = 1):
     return model.double()
 
 
+def _nemotron_h():
+    """Nemotron-H in float64, its experts as ``batched_mm`` (torch's grouped matmul has no float64 CPU kernel)."""
+    model = _model("nemotron_h", layers=2)
+    model.set_experts_implementation("batched_mm")
+    return model
+
+
 def _batches(n: int, rows: int = 2):
     torch.manual_seed(1)
     return [dict(input_ids=torch.randint(0, 128, (rows, 16)), labels=torch.randint(0, 128, (rows, 16)))
@@ -126,7 +133,7 @@ def _four_ranks(rank: int, world: int, port: int) -> None:
         # without the option: Nemotron-H's Mamba-2 in_proj, split in the graph in segments no DTensor
         # placement holds, is stored in pieces anyway (gather_summed: its gradient reduce-scattered),
         # under ZeRO-3 over dp=2 (gathered again for backward) and with pp=2 stages
-        model = _model("nemotron_h", layers=2)
+        model = _nemotron_h()
         ref = copy.deepcopy(model)
         pm = sptransform.parallelize(model, tp=2, dp=2, zero=3, example_inputs=local[0])
         assert pm.held_share() < 0.26, (pm.held_share(), pm.explain())
@@ -137,7 +144,7 @@ def _four_ranks(rank: int, world: int, port: int) -> None:
             assert_grads_match(pm, ref, rtol=CLOSE[0], atol=CLOSE[1], what=f"nemotron_h tp2 x dp2 zero=3 step {step}: ")
             opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
         assert_params_match(pm, ref, rtol=PARAMS_CLOSE[0], atol=PARAMS_CLOSE[1], what="nemotron_h tp2 x dp2 zero=3: ")
-        model = _model("nemotron_h", layers=2)
+        model = _nemotron_h()
         ref = copy.deepcopy(model)
         pm = sptransform.parallelize(model, tp=2, pp=2, n_microbatches=2, example_inputs=batch)
         loss = pm.step(**batch)
