@@ -3,8 +3,9 @@
 Two questions, each answered from the facts ``graph.analysis.analyze`` already found:
 
 * which rule leaves a parameter whole on every rank (``whole_reasons``: its linear runs whole
-  and is cut inside a block, it runs split per head with its weight shared by the heads, its linear is neither column- nor row-parallel and what stopped it
-  each way, it is read in pieces that no split fits, or no linear reads it), kept in
+  and is cut inside a block, it runs split per head with its weight shared by the heads, its
+  linear is neither column- nor row-parallel and what stopped it each way, it is read in pieces
+  that no split fits, or no linear reads it), kept in
   ``ModelAnalysis.whole_reasons`` for ``explain()`` to name the largest;
 * what ``tp`` fails to divide when a block's walk succeeds at tp=1 but not at the asked tp
   (``divisibility_message``: the attention heads and the model's own K/V heads, or the MLP
