@@ -42,8 +42,8 @@ def whole_reasons(captured: CapturedGraph, linears: dict[fx.Node, LinearMatch], 
         split.update(n for n in (head.weight_name, head.bias_name) if n)
     split.update(e.weight_name for e in vocab_embeddings)
     cut = {n: r for r in regions for n, _ in r.cuts if n in linears}
-    per_row = {n: r for r in regions for n in r.specs if n in linears and n not in r.columns
-               and n is not r.row.node and all(n is not m.node for m in r.more_rows)}
+    per_row = {n: r for r in regions for n in r.specs
+               if n in linears and n not in r.columns and n not in {lm.node for lm in r.rows}}
     reasons: dict[str, str] = {}
     for name in sorted(kept_whole):
         reasons[name] = next((n.split(": ", 1)[1] for n in notes if n.startswith(f"parameter {name!r}, read in pieces")),

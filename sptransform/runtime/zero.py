@@ -135,7 +135,7 @@ def gather_summed(group: str, size: int, dims: list[int], shapes: list[list[int]
     all-gathered where a layer reads them, their gradient, partial on each rank, summed over the
     group and reduce-scattered back (``gather_params`` summing, its own op so that ``explain()``
     tells it from ZeRO's)."""
-    return _GatherParams.apply(group, size, tuple(dims), tuple(tuple(s) for s in shapes), False, False, 1, *pieces)
+    return gather_params(group, size, dims, shapes, *pieces, divisor=1)
 
 
 class _GatherWhole(torch.autograd.Function):

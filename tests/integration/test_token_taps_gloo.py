@@ -8,7 +8,7 @@ position bias made from per-head states times one ``[d_rel, extent]`` bank that 
 Neither op had a rule, and the bank's matmul, a linear, stopped the walk back from the output
 projection (a split along its heads was taken for one along its tokens): the whole attention ran
 replicated (HF ``inkling2_text`` held 0.70 of the parameter bytes per rank at tp=2 + SP, the
-zoo's ``token_taps`` 0.72). ``unfold`` and ``flip`` now keep a split of the dims they do not
+zoo's ``token_taps`` 0.729). ``unfold`` and ``flip`` now keep a split of the dims they do not
 window or flip (``graph.rules.links``), and a linear needed split along a dim it maps row by row
 runs on each rank's rows with its weight whole (``graph.walk._batch_dim``).
 
@@ -24,7 +24,7 @@ from gloo_cases import split_on_simulated_ranks, train_cases
 from simulate import spawn_with_deadline
 
 CASES = (  # (model, sp, the share of the parameter bytes a rank may hold at tp=2)
-    ("token_taps", True, 0.51),  # 0.503 (0.72 with the attention whole)
+    ("token_taps", True, 0.51),  # 0.503 (0.729 with the attention whole)
     ("inkling2_text", True, 0.575),  # 0.569 (0.70 before; the bank, 12% of its bytes, stays whole)
 )
 
