@@ -25,8 +25,8 @@ COLLECTIVE_DIRECTIONS: dict = {
     gather_whole: (("all-gather",), ()),
     # parameters split in the graph, stored in 1/tp pieces: gathered; their partial gradient summed
     gather_summed: (("all-gather",), ("reduce-scatter",)),
-    # row max, sum of exponentials, target logit: three small all-reduces over [tokens]
-    vocab_parallel_cross_entropy: (("all-reduce",) * 3, ()),
+    # each rank's row max, sum of exponentials and shifted target logit: one small all-gather
+    vocab_parallel_cross_entropy: (("all-gather",), ()),
 }
 
 
@@ -37,9 +37,9 @@ def collective_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 def collective_bytes(node: torch.fx.Node, tp: int) -> int:
     """Bytes of the full (all-gathered / pre-reduction) tensor one call moves. For a tensor whose
     rows are known only at run time (those routed to one expert) a ``SymInt`` (``128*u0``)."""
-    if node.target is vocab_parallel_cross_entropy:
+    if node.target is vocab_parallel_cross_entropy:  # [ranks, 3, *tokens] gathered
         logits = node.args[0].meta["val"]
-        return int(logits.numel() // logits.shape[-1] * logits.element_size())
+        return int(tp * 3 * (logits.numel() // logits.shape[-1]) * logits.element_size())
     if node.target is sync_grads:
         return sum(a.meta["val"].numel() * a.meta["val"].element_size() for a in node.args[1:])
     if node.target in (gather_whole, gather_summed):  # its pieces' placeholders carry the whole parameters' shapes

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sptransform.runtime.collectives import _all_reduce
+from sptransform.runtime.collectives import _all_gather
 from sptransform.runtime.rng import RankGenerators  # noqa: F401  (re-exported)
 from sptransform.torch_internals import tensor_map
 
@@ -85,25 +85,46 @@ def vocab_parallel_embedding(
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Each rank reduces its own vocabulary columns to three numbers per token, the ranks trade
+    them in one all-gather, and every rank combines them into the loss. Per token, on rank r:
+    ``m_r`` its largest logit (``-inf`` where all its columns are padding), ``s_r`` the sum of
+    ``exp(logit - m_r)`` over its columns, ``p_r`` the target's ``logit - m_r`` on the rank that
+    holds the target's column (0 elsewhere). With ``M = max_r m_r``:
+    ``total = sum_r s_r exp(m_r - M)`` and ``target logit - M = sum_r p_r + m_owner - M``, so
+    ``loss = log(total) - (target logit - M)``: the same differences of nearby numbers as
+    ``log_softmax`` takes on one device, and one collective where the row max, the sum of
+    exponentials and the target logit took three (three waits, each a point where every rank
+    stops for the slowest)."""
+
     @staticmethod
     def forward(ctx, logits, target, rank, per_rank, vocab, ignore_index, reduction, group):
         n_classes = logits.shape[-1]
         columns = torch.arange(n_classes, device=logits.device) + rank * per_rank
         logits = logits.masked_fill(columns >= vocab, float("-inf"))
-        row_max = logits.detach().amax(dim=-1, keepdim=True)
-        row_max = _all_reduce(row_max, group, "max")
-        shifted = logits - row_max
-        exp = shifted.exp()
-        total = _all_reduce(exp.sum(dim=-1), group)
+        local_max = logits.detach().amax(dim=-1)
+        # a rank whose columns are all padding shifts by 0 (exp(-inf) = 0) and reports -inf
+        shift = local_max.masked_fill(torch.isinf(local_max), 0.0)
+        exp = (logits - shift.unsqueeze(-1)).exp()
         local_target = target - rank * per_rank
         mine = (local_target >= 0) & (local_target < n_classes)
         index = local_target.masked_fill(~mine, 0).unsqueeze(-1)
-        picked = shifted.gather(-1, index).squeeze(-1).masked_fill(~mine, 0.0)
-        picked = _all_reduce(picked, group)
+        picked = (logits.gather(-1, index).squeeze(-1) - shift).masked_fill(~mine, 0.0)
+        mine_stats = torch.stack([local_max, exp.sum(dim=-1), picked])
+        stats = _all_gather(mine_stats, 0, group)
+        stats = stats.view(stats.shape[0] // 3, 3, *mine_stats.shape[1:])  # [ranks, 3, *tokens]
+        maxes, sums, picks = stats.unbind(1)
+        top = maxes.amax(dim=0)
+        total = (sums * (maxes - top).exp()).sum(dim=0)
+        owner = (target // per_rank).clamp(0, stats.shape[0] - 1)
+        owner_max = maxes.gather(0, owner.unsqueeze(0)).squeeze(0)
+        target_shifted = picks.sum(dim=0) + (owner_max - top)
         valid = target != ignore_index
-        losses = (total.log() - picked).masked_fill(~valid, 0.0)
+        losses = (total.log() - target_shifted).masked_fill(~valid, 0.0)
         count = valid.sum()
-        ctx.save_for_backward(exp / total.unsqueeze(-1), index, mine, valid, count)
+        # softmax = exp(logit - shift) * exp(shift - top) / total; exp(m_r - top) <= 1, and 0 on a
+        # rank of padding only (its shift is 0: exp(-top) could overflow, times its zeros a NaN)
+        scale = ((local_max - top).exp() / total).unsqueeze(-1)
+        ctx.save_for_backward(exp * scale, index, mine, valid, count)
         ctx.reduction = reduction
         if reduction == 0:
             return losses

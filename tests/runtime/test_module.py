@@ -55,7 +55,7 @@ def test_code_shows_the_collectives_and_explain_lists_regions_placements_and_byt
         assert name in code
     assert "layer   1 attention" in report and "blocks.1.attn.o.weight" in report
     assert "_StridedShard" not in report and "blocks.0.attn.kv.weight                            S(0, 2 segments)" in report  # fused [k|v]
-    assert "per step: 10 all-gather, 6 all-reduce, 10 reduce-scatter" in report
+    assert "per step: 11 all-gather, 3 all-reduce, 10 reduce-scatter" in report  # the loss: one all-gather
 
 
 def test_example_inputs_default_to_token_ids_from_the_input_embedding():
