@@ -202,6 +202,16 @@ try:
     # type is only reachable through torch._ops).
     from torch._ops import OpOverload
 
+    # preserve_node_ordering: wraps a node in the control_deps higher-order op, which inductor's
+    # scheduler orders after the given nodes. Inductor re-sorts a graph by its own estimates (peak
+    # memory, locality) and left every wait right behind its collective (the overlap pass had put
+    # the independent work between them). torch's own overlap scheduler keeps its order through
+    # inductor the same way (``insert_overlap_deps``). CustomGraphPass: how inductor takes a
+    # post-grad pass (``config.post_grad_custom_post_pass``) and keys its caches by it.
+    # Public replacement: none.
+    from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
     # StorageWeakRef: identify a storage (what autograd saves) without keeping it alive.
     # Public replacement: none (torch.multiprocessing.reductions is internal plumbing).
     from torch.multiprocessing.reductions import StorageWeakRef
@@ -341,7 +351,31 @@ def inductor_partition(joint, joint_inputs, **kwargs):
         return compile_fx.partition_fn(joint, joint_inputs, **kwargs)
 
 
-def inductor_graph_compilers(num_user_outputs: int, model=None):
+def keep_order(graph, after: dict) -> None:
+    """Make inductor run each node of ``after`` (a dict in graph order: node -> the nodes it must
+    follow) after those nodes, whatever its scheduler would choose (``preserve_node_ordering``:
+    each such node becomes a ``control_deps`` call of a one-node subgraph, under its name)."""
+    from torch.utils._ordered_set import OrderedSet
+
+    if after:
+        preserve_node_ordering(graph, {node: OrderedSet(deps) for node, deps in after.items()})
+
+
+class _PostGradPass(CustomGraphPass):
+    """A post-grad graph pass for inductor's ``post_grad_custom_post_pass``, keyed in its caches
+    by ``key`` (the pass's name and version)."""
+
+    def __init__(self, fn, key: str):
+        self.fn, self.key = fn, key
+
+    def __call__(self, graph) -> None:
+        self.fn(graph)
+
+    def uuid(self) -> str:
+        return self.key
+
+
+def inductor_graph_compilers(num_user_outputs: int, model=None, post_grad_pass=None):
     """Inductor's compilers for a forward and a backward graph partitioned by someone else:
     ``(fw_compiler, bw_compiler)`` for AOTAutograd, what ``compile_fx`` builds around its own
     partitioner (``compile_fx_forward`` / ``compile_fx_backward`` sharing one
@@ -353,7 +387,9 @@ def inductor_graph_compilers(num_user_outputs: int, model=None):
     forward reports its own, see ``stride_reporting``). ``num_user_outputs``: the forward outputs that are the
     module's own (the rest are saved tensors). Public replacement: none (``torch.compile`` takes
     a partitioner only as inductor's ``config.custom_partitioner_fn``, which partitions the
-    joint graph after inductor's decompositions and joint-graph passes)."""
+    joint graph after inductor's decompositions and joint-graph passes). ``post_grad_pass``:
+    ``(graph_pass, key)``, run on each graph after inductor's own post-grad passes (where its
+    decompositions are in the graph and its scheduler comes next), keyed in its caches by ``key``."""
     from torch._inductor import compile_fx as inductor
     from torch._inductor import config as inductor_config
 
@@ -370,10 +406,13 @@ def inductor_graph_compilers(num_user_outputs: int, model=None):
     # OpOverloads in order but moves the higher-order run_and_save_rng_state/run_with_rng_state
     # past them, and so does the scheduler's peak-memory pass, which changes the draws each
     # dropout gets (seen on HF GPT-2 with recompute="selective").
+    extra_passes = {} if post_grad_pass is None else {"post_grad_custom_post_pass": _PostGradPass(*post_grad_pass)}
+
     def settings(gm):
         if any(n.op == "call_function" and n.target in _RNG_REPLAY for n in gm.graph.nodes):
-            return inductor_config.patch(fallback_random=True, reorder_for_locality=False, reorder_for_peak_memory=False)
-        return inductor_config.patch(fallback_random=True)
+            return inductor_config.patch(fallback_random=True, reorder_for_locality=False, reorder_for_peak_memory=False,
+                                         **extra_passes)
+        return inductor_config.patch(fallback_random=True, **extra_passes)
 
     def fw_compiler(gm, example_inputs):
         with settings(gm):

@@ -78,7 +78,7 @@ from sptransform.passes.dropout import shard_dropout
 from sptransform.passes.expert_parallel import ExpertGroups, ExpertParallelPlan, expert_parallel, tensor_parallel_dims
 from sptransform.graph.experts import data_nodes, find_expert_regions, is_bmm_seed
 from sptransform.passes.token_weighting import weight_by_token_counts
-from sptransform.passes.overlap import schedule_collectives
+from sptransform.passes.overlap import OVERLAP_FOR_INDUCTOR_KEY, schedule_collectives, schedule_for_inductor
 from sptransform.passes.remat import remat_partition
 from sptransform.passes.unfuse import unfused_analysis
 from sptransform.passes.shard_whole import shard_whole, stored_split, whole_parameters
@@ -606,11 +606,14 @@ def graph_compilers(compile: GraphCompiler, num_user_outputs: int, module: torch
     generates fused kernels (C++ on CPU, Triton on GPU). Either way the graphs are the
     partition's: inductor compiles them as given and does not partition again, keyed by rank
     in torch's on-disk caches (``rank_cache_tag``). With ``overlap``, each graph's
-    collectives are first issued early and waited on late (``passes.overlap.schedule_collectives``)."""
+    collectives are first issued early and waited on late (``passes.overlap.schedule_collectives``);
+    inductor schedules again after its decompositions and keeps each window
+    (``passes.overlap.schedule_for_inductor``)."""
     if compile == "eager":
         compilers = eager_compiler, eager_compiler
     elif compile == "inductor":
-        compilers = inductor_graph_compilers(num_user_outputs, module if isinstance(module, fx.GraphModule) else None)
+        compilers = inductor_graph_compilers(num_user_outputs, module if isinstance(module, fx.GraphModule) else None,
+                                             post_grad_pass=(schedule_for_inductor, OVERLAP_FOR_INDUCTOR_KEY) if overlap else None)
         compilers = tuple(_keyed_by_rank(c, compile_cache_tag()) for c in compilers)
     else:
         raise ValueError(f"compile={compile!r}: use one of {list(GRAPH_COMPILERS)}")

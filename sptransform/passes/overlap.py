@@ -31,6 +31,20 @@ Edits ``gm`` in place; reads each node's target (op overloads and their schemas)
 of ``node.meta``; lints and recompiles only when something moved. ``find_collectives`` (the
 match) is separate from ``schedule_collectives`` (the rewrite); ``overlap_report`` counts the
 ops each collective now overlaps.
+
+**Kept through inductor.** Inductor's scheduler orders a graph by its own estimates (peak
+memory, locality) and put every wait right behind its collective again (HF GPT-2, tp=2: no
+matmul between any all-reduce and its wait in the generated code). ``pin_windows`` makes the
+window an ordering inductor keeps: each library kernel in it (``_KERNELS``: matmuls,
+convolutions, fused attention) runs after the issue, the wait after all of them
+(``window_order`` is the match, ``torch_internals.keep_order`` the rewrite):
+
+    before:  r = all_reduce(dx); dw = mm(xT, dy); w = wait_tensor(r); y = mul(w, g)
+    after:   r = all_reduce(dx); dw = control_deps((r,), mm_subgraph, xT, dy)
+             w = control_deps((dw,), wait_subgraph, r); y = mul(w, g)
+
+``schedule_for_inductor`` runs both on each graph inductor compiles for ``compile="inductor"``,
+after inductor's own post-grad passes.
 """
 
 from __future__ import annotations
@@ -44,8 +58,7 @@ import torch
 import torch.fx as fx
 
 from sptransform.logs import logger
-from sptransform.torch_internals import op_schema
-from sptransform.torch_internals import OpOverload
+from sptransform.torch_internals import OpOverload, keep_order, op_schema
 
 log = logger(__name__)
 
@@ -275,3 +288,61 @@ def _is_compute(node: fx.Node) -> bool:
     if not isinstance(target, OpOverload) or target.namespace == "_c10d_functional":
         return False
     return not target.is_view
+
+
+_KERNELS = frozenset({
+    torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm, torch.ops.aten._grouped_mm,
+    torch.ops.aten.convolution, torch.ops.aten.convolution_backward,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward,
+    torch.ops.aten._scaled_dot_product_flash_attention, torch.ops.aten._scaled_dot_product_flash_attention_backward,
+    torch.ops.aten._scaled_dot_product_efficient_attention,
+    torch.ops.aten._scaled_dot_product_efficient_attention_backward,
+    torch.ops.aten._scaled_dot_product_cudnn_attention, torch.ops.aten._scaled_dot_product_cudnn_attention_backward,
+})
+"""Ops inductor runs as library kernels of their own, not fused with their neighbours: the work a
+window holds, and ordering them costs no fusion."""
+
+
+def _is_kernel(node: fx.Node) -> bool:
+    return isinstance(node.target, OpOverload) and node.target.overloadpacket in _KERNELS
+
+
+def window_order(gm: fx.GraphModule) -> dict[fx.Node, list[fx.Node]]:
+    """The ordering that keeps each collective's window as the graph has it: every library kernel
+    between an issue and its first wait after the issue, the wait after all of them. A dict in
+    graph order, node -> the nodes it must follow; every pair already in graph order, so no cycle."""
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    after: dict[fx.Node, list[fx.Node]] = {}
+    for site in find_collectives(gm):
+        if not site.waits:
+            continue
+        first = min(site.waits, key=position.__getitem__)
+        kernels = [n for n in nodes[position[site.issue] + 1: position[first]] if _is_kernel(n)]
+        for kernel in kernels:
+            after.setdefault(kernel, []).append(site.issue)
+        if kernels:
+            after.setdefault(first, []).extend(kernels)
+    return {n: after[n] for n in nodes if n in after}
+
+
+def pin_windows(gm: fx.GraphModule) -> fx.GraphModule:
+    """Keep the windows ``window_order`` reads through inductor's scheduler (module docstring)."""
+    order = window_order(gm)
+    if order:
+        keep_order(gm.graph, order)
+        gm.graph.lint()
+        gm.recompile()
+    return gm
+
+
+OVERLAP_FOR_INDUCTOR_KEY = "sptransform overlap: schedule_collectives, pin_windows v1"
+
+
+def schedule_for_inductor(graph: fx.Graph) -> None:
+    """Inductor's post-grad pass of ``compile="inductor"``: ``schedule_collectives`` on the graph
+    as inductor's decompositions left it, then ``pin_windows``."""
+    gm = graph.owning_module
+    schedule_collectives(gm)
+    pin_windows(gm)

@@ -217,3 +217,34 @@ def test_waits_behind_getitem_are_found(coalesced):
     assert sites and all(site.waits for site in sites)
     assert overlap_report(gm).overlapped >= 1
     torch.testing.assert_close(got[1], torch.full((4,), 2.0))
+
+
+def test_window_order_puts_the_windows_kernels_after_the_issue_and_the_wait_after_them():
+    """The match of ``pin_windows``: the matmul scheduled into the all-reduce's window follows the
+    issue, the wait follows the matmul; the relu beside it is no library kernel and is left to
+    inductor (ordering it would cost its fusion)."""
+    from sptransform.passes.overlap import window_order
+
+    with one_rank() as group:
+        gm = make_fx(_bucket_then_work(group))(*_inputs())
+        assert window_order(gm) == {}  # traced: waited at once, no window
+        schedule_collectives(gm)
+    (site,) = find_collectives(gm)
+    (wait,) = site.waits
+    kernels = [n for n in gm.graph.nodes if n.target is aten.mm.default]
+    independent = kernels[-1]  # p @ q
+    assert window_order(gm) == {independent: [site.issue], wait: [independent]}
+
+
+def test_pinned_windows_run_the_same_values():
+    from sptransform.passes.overlap import pin_windows
+
+    with one_rank() as group:
+        gm = make_fx(_bucket_then_work(group))(*_inputs())
+        expected = gm(*_inputs())
+        schedule_collectives(gm)
+        pin_windows(gm)
+        got = gm(*_inputs())
+    assert sum(1 for n in gm.graph.nodes if "control_deps" in str(n.target)) == 2
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)

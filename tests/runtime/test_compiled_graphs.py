@@ -124,3 +124,45 @@ def test_an_eager_step_waits_once_per_collective(sp):
                       for op in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"))
     assert collectives >= (4 if sp else 2), names
     assert names["_c10d_functional::wait_tensor"] == collectives, names
+
+
+def _matmuls_in_windows(code: str) -> list[int]:
+    """Per all-reduce of inductor's generated ``call``: the matmul kernels between it and its wait."""
+    import re
+
+    lines = [line.strip() for line in code[code.index("def call("):].splitlines()]
+    found = []
+    for i, line in enumerate(lines):
+        issued = re.match(r"torch\.ops\._c10d_functional\.all_reduce_\.default\((?:reinterpret_tensor\()?(buf\d+)\b", line)
+        if issued:
+            wait = next(j for j in range(i, len(lines)) if re.search(rf"wait_tensor\.default\((?:reinterpret_tensor\()?{issued.group(1)}\b", lines[j]))
+            found.append(sum(1 for x in lines[i + 1: wait] if re.match(r"extern_kernels\.(add)?mm\(", x)))
+    return found
+
+
+@pytest.mark.slow  # two inductor compiles of a 1-layer GPT-2 step (~20 s each)
+@pytest.mark.in_process
+@pytest.mark.parametrize("pinned", [True, False])
+def test_inductor_keeps_the_weight_gradients_matmuls_inside_the_all_reduce_windows(pinned, monkeypatch):
+    """``compile="inductor"``, tp=2 without SP: in the generated backward, the input gradient's
+    all-reduce of a column-parallel linear is in flight while the weight gradient's matmul runs
+    (the overlap pass's window, kept by ``pin_windows``). Without the pins inductor's scheduler
+    waits on each all-reduce at once (the counterpart case, so that this test can fail)."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    import sptransform.passes.overlap as overlap
+
+    if not pinned:
+        monkeypatch.setattr(overlap, "window_order", lambda gm: {})
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    inputs = dict(input_ids=ids, labels=ids, use_cache=False)
+    torch._dynamo.reset()
+    with fake_group(2), inductor_config.patch(force_disable_caches=True):
+        pm = sptransform.parallelize(copy.deepcopy(_gpt2(1)), tp=2, sp=False, example_inputs=inputs,
+                                     recompute=1.0, compile="inductor")
+        _, codes = run_and_get_code(lambda: pm(**inputs).loss.backward())
+    assert len(codes) == 2, len(codes)  # the forward, then (at the first backward) the backward
+    windows = _matmuls_in_windows(codes[1])
+    assert len(windows) == 3, windows  # the head's, the MLP's and the attention's input gradients
+    assert (sum(windows) >= 2) if pinned else (sum(windows) == 0), windows
