@@ -24,7 +24,7 @@ import torch.fx as fx
 from sptransform.options import GRAPH_COMPILERS, RematOptions, check_graph_compiler
 from sptransform.passes.remat import remat_partition
 from sptransform.torch_internals import dynamo_static_input
-from sptransform.transform import aot_compile, state_count
+from sptransform.compile_graphs import aot_compile, state_count
 from sptransform.logs import logger
 
 log = logger(__name__)

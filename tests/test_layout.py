@@ -20,6 +20,7 @@ LAYERS = [
     ("sptransform.api", 7),
     ("sptransform.generation", 7),
     ("sptransform.transform", 6),
+    ("sptransform.compile_graphs", 5),
     ("sptransform.pipeline", 5),
     ("sptransform.passes", 4),
     ("sptransform.runtime", 3),

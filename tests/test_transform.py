@@ -19,9 +19,8 @@ from sptransform.runtime.rng import RankGenerators
 from sptransform.capture import FakeTemplate, capture
 from sptransform.options import ParallelOptions
 from sptransform.passes.base import declared_meta_keys, op_counts
-from sptransform.transform import (
-    MENDED_TAG, PASSES, Build, _keyed_by_rank, build_parallel_graph, compile_cache_tag, rank_cache_tag,
-)
+from sptransform.compile_graphs import MENDED_TAG, _keyed_by_rank, compile_cache_tag, rank_cache_tag
+from sptransform.transform import PASSES, Build, build_parallel_graph
 from tiny_models import TinyConfig, TinyLM
 
 

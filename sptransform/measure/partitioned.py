@@ -34,7 +34,7 @@ from sptransform.torch_internals import (
     default_partition, functorch_config, inductor_decompositions, inductor_partition, statistics_decompositions,
     min_cut_rematerialization_partition,
 )
-from sptransform.transform import aot_compile, state_count
+from sptransform.compile_graphs import aot_compile, state_count
 from sptransform.measure.memory import MemoryReport, memory_report
 
 

@@ -44,7 +44,7 @@ their own, ``JOINT_PASSES`` (``passes.base``), run on the joint graph. It is spl
   backward so recomputation happens just before use; every ``view`` of the two graphs becomes
   a ``reshape`` (a copy only where what runs lays the value out otherwise than the joint
   trace: inductor decomposes the graphs again and chooses the saved tensors' layouts, which
-  the backward is then compiled for, see ``transform.aot_compile``). Before finding, two rewrites of
+  the backward is then compiled for, see ``compile_graphs.aot_compile``). Before finding, two rewrites of
   the joint graph (``isolate_dropout_masks``, ``compact_bernoulli_masks``) make masks
   one byte and their replay independent of activations.
 

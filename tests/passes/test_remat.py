@@ -236,6 +236,6 @@ def test_saved_tensors_laid_out_otherwise_by_the_decomposed_forward_train_like_e
     """With SDPA and ``"selective"`` the rotated q is saved, and the decomposed forward hands it
     over transposed where the joint trace (and so the backward graph's input) has it
     contiguous: the backward must be compiled for the forward's reported strides
-    (``transform.aot_compile``), and then gives eager's gradients."""
+    (``compile_graphs.aot_compile``), and then gives eager's gradients."""
     relaid = _run_decomposed(LayoutConfig(rope_dims=8, attention="sdpa"), "selective")
     assert relaid, "no saved tensor was laid out otherwise: the test no longer covers the case"

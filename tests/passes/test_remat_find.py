@@ -20,7 +20,7 @@ from sptransform.passes.remat_find import (
     MinCut, RematOptions, analysis_cost, best_within_budget, pareto, plan_remat, policy_constraints,
     solution_from_saved,
 )
-from sptransform.transform import aot_compile, state_count
+from sptransform.compile_graphs import aot_compile, state_count
 from tiny_models import TinyConfig, TinyLM
 
 aten = torch.ops.aten
